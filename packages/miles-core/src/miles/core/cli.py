@@ -1,0 +1,166 @@
+"""The ``miles`` command line.
+
+Heavy modules (torch, ray, transformers, the OpenTelemetry SDK) are imported inside the commands
+that need them, so ``miles --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from miles.core import __version__
+
+
+def _manager(strict: bool = True) -> Any:
+    from miles.core.components import ComponentConflictError
+    from miles.core.plugins import PluginManager
+
+    try:
+        return PluginManager().load(strict=strict)
+    except ComponentConflictError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="miles")
+@click.option(
+    "--log-format",
+    type=click.Choice(["auto", "console", "json"]),
+    default="auto",
+    show_default=True,
+    help="Human-readable on a TTY and JSON lines otherwise, unless forced.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    default="info",
+    show_default=True,
+)
+@click.pass_context
+def cli(ctx: click.Context, log_format: str, log_level: str) -> None:
+    """Miles: PyTorch-native RL post-training for large language models."""
+    from miles.core.logsetup import configure_logging
+
+    ctx.ensure_object(dict)
+    ctx.obj["log_format"], ctx.obj["log_level"] = log_format, log_level
+    configure_logging(log_format, log_level)  # type: ignore[arg-type]
+
+
+# ── plugins ──────────────────────────────────────────────────────────────────────────────────────
+
+
+@cli.group()
+def plugins() -> None:
+    """Installed plugin distributions."""
+
+
+@plugins.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
+def plugins_list(as_json: bool) -> None:
+    """Every distribution in the `miles` entry-point group, its status and components."""
+    manager = _manager(strict=False)
+    records = list(manager.records.values())
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in records], indent=2))
+    else:
+        rows = [("NAME", "VERSION", "STATUS", "COMPONENTS")]
+        for r in records:
+            kinds = [f"{kind}: {', '.join(names)}" for kind, names in r.components.items()]
+            detail = kinds or ([r.error] if r.error else ["-"])
+            rows.append((r.name, r.version, r.status, detail[0]))
+            rows.extend(("", "", "", line) for line in detail[1:])
+        _print_table(rows)
+    for conflict in manager.conflicts:
+        click.secho(f"error: {conflict}", fg="red", err=True)
+    if manager.conflicts:
+        sys.exit(1)
+
+
+@plugins.command("show")
+@click.argument("name")
+def plugins_show(name: str) -> None:
+    """Everything known about one plugin distribution."""
+    from packaging.utils import canonicalize_name
+
+    manager = _manager(strict=False)
+    record = manager.records.get(canonicalize_name(name))
+    if record is None:
+        import difflib
+
+        close = difflib.get_close_matches(canonicalize_name(name), list(manager.records), n=3)
+        hint = f" Did you mean: {', '.join(close)}?" if close else ""
+        raise click.ClickException(f"no plugin distribution named {name!r}.{hint}")
+    data = record.to_json()
+    for key in ("name", "version", "status", "error", "core_range"):
+        click.echo(f"{key + ':':<12}{data[key] if data[key] is not None else '-'}")
+    click.echo("entry points:")
+    for ep in record.entry_points:
+        click.echo(f"  {ep}")
+    click.echo("hooks:")
+    for hook in record.hooks:
+        click.echo(f"  {hook}")
+    click.echo("components:")
+    for kind, names in record.components.items():
+        for component_name in names:
+            summary = manager.registry.get(kind, component_name).spec.summary
+            click.echo(f"  {kind}/{component_name}: {summary}")
+
+
+# ── components ───────────────────────────────────────────────────────────────────────────────────
+
+
+@cli.group()
+def components() -> None:
+    """Registered components (rewards, losses, backends, ...)."""
+
+
+@components.command("list")
+@click.option("--kind", "kind", default=None, help="Only this kind, e.g. reward or loss.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
+def components_list(kind: str | None, as_json: bool) -> None:
+    """Every registered component: kind, name, providing distribution, summary."""
+    from miles.core.components import Kind
+
+    if kind is not None and kind not in {k.value for k in Kind}:
+        raise click.BadParameter(
+            f"unknown kind {kind!r}; choose from {', '.join(k.value for k in Kind)}",
+            param_hint="--kind",
+        )
+    manager = _manager()
+    items = [c for c in manager.registry.all() if kind is None or c.kind == kind]
+    if as_json:
+        data = [
+            {
+                "kind": str(c.kind),
+                "name": c.name,
+                "distribution": c.distribution,
+                "version": c.version,
+                "summary": c.spec.summary,
+            }
+            for c in items
+        ]
+        click.echo(json.dumps(data, indent=2))
+        return
+    rows = [("KIND", "NAME", "PROVIDED BY", "SUMMARY")]
+    rows += [(str(c.kind), c.name, c.provider, c.spec.summary) for c in items]
+    _print_table(rows)
+
+
+def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        cells = [c.ljust(w) for c, w in zip(r, widths, strict=False)] + [r[-1]]
+        click.echo("  ".join(cells).rstrip())
+
+
+def main() -> None:
+    cli(obj={})
+
+
+if __name__ == "__main__":
+    main()

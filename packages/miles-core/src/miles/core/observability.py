@@ -1,0 +1,93 @@
+"""Configures the OpenTelemetry SDK: for the CLI and for each Miles actor process.
+
+Library code never imports this module; it only uses `opentelemetry-api` (see `telemetry`).
+
+Spans always go to ``traces.jsonl`` in the run directory when there is one, and to the standard
+OTLP exporter when the standard ``OTEL_EXPORTER_OTLP_*`` variables are set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+
+_OTLP_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+# ── spans ────────────────────────────────────────────────────────────────────────────────────────
+
+
+class JsonlSpanExporter(SpanExporter):
+    """Writes each finished span as one JSON line. Appends are whole lines, so several actor
+    processes can share one file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = "".join(json.dumps(span_to_dict(s)) + "\n" for s in spans)
+        with self._lock, self.path.open("a", encoding="utf-8") as f:
+            f.write(lines)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
+    ctx = span.get_span_context()
+    parent = span.parent
+    return {
+        "name": span.name,
+        "trace_id": format(ctx.trace_id, "032x") if ctx else None,
+        "span_id": format(ctx.span_id, "016x") if ctx else None,
+        "parent_span_id": format(parent.span_id, "016x") if parent else None,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "attributes": dict(span.attributes or {}),
+        "resource": {k: v for k, v in span.resource.attributes.items() if k.startswith("service")},
+    }
+
+
+_provider: TracerProvider | None = None
+
+
+def configure_tracing(run_dir: Path | None, service_name: str = "miles") -> TracerProvider:
+    """Installs the global tracer provider for this process (once; later calls add the run dir)."""
+    global _provider
+    if _provider is None:
+        _provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        if any(os.environ.get(v) for v in _OTLP_VARS):
+            # The standard exporter reads endpoint, headers and timeout from the OTEL_* variables.
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        trace.set_tracer_provider(_provider)
+    if run_dir is not None:
+        _provider.add_span_processor(
+            SimpleSpanProcessor(JsonlSpanExporter(run_dir / "traces.jsonl"))
+        )
+    return _provider
+
+
+def shutdown_tracing() -> None:
+    """Flushes every span processor; call before the process exits."""
+    if _provider is not None:
+        _provider.force_flush()
+        _provider.shutdown()

@@ -1,0 +1,91 @@
+"""The small protocols that backends and algorithm plugins implement.
+
+Each is a handful of methods. Core code talks only to these, so a native torch engine, SGLang, an
+FSDP2 trainer or Megatron fit behind the same calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from miles.core.types import GenerateRequest, GenerateResult, PackedBatch
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generates responses for token-id prompts and takes new weights from the trainer."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def generate(self, requests: list[GenerateRequest]) -> Iterator[GenerateResult]:
+        """Yields each result as soon as its sequence finishes (a stream, not a batch)."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copies the given tensors into the model (Hugging Face names) and sets the version."""
+        ...
+
+    def weights_checksum(self) -> str: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class LossInputs:
+    """Flat per-token tensors for one micro-batch; every tensor has shape [tokens].
+
+    `loss_weights` already folds in the loss mask and the aggregation (token mean, sequence mean,
+    ...) over the *global* batch, so the micro-batch loss is `(per_token_loss * loss_weights).sum()`
+    and summing micro-batches and ranks gives exactly the one-shot value.
+    """
+
+    logprobs: torch.Tensor  # current policy; carries the gradient
+    old_logprobs: torch.Tensor  # the policy that generated the data, as seen by the trainer
+    rollout_logprobs: torch.Tensor  # as reported by the rollout engine
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    loss_weights: torch.Tensor
+    entropy: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+    seq_index: torch.Tensor | None = None  # which sequence of the micro-batch each token belongs to
+
+
+class PolicyLoss(Protocol):
+    """A loss plugin: per-token loss plus per-token metrics, both [tokens].
+
+    The trainer reduces both with `loss_weights`, so metrics aggregate like the loss does.
+    """
+
+    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+class TrainBackend(Protocol):
+    """One rank of a training group."""
+
+    def logprobs(self, batch: PackedBatch) -> dict[str, Any]: ...
+
+    def train_step(self, batch: PackedBatch, loss: PolicyLoss) -> dict[str, float]: ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...

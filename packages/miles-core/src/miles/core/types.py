@@ -1,0 +1,216 @@
+"""The data that flows through one RL step.
+
+Tokens in, tokens out: a `Sample` carries token ids from the rollout engine to the trainer, and
+nothing between them ever re-tokenizes text. Across actors, samples travel packed as a few large
+numpy arrays (`PackedBatch`), not as many Python objects.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+
+class SampleStatus(enum.StrEnum):
+    COMPLETED = "completed"  # the engine hit a stop token or stop string
+    TRUNCATED = "truncated"  # the engine hit max_new_tokens
+    ABORTED = "aborted"  # generation was cut short (weight update, shutdown)
+    FAILED = "failed"  # generation or reward raised; `Sample.error` says why
+
+
+@dataclass
+class Sample:
+    """One prompt and one sampled response, with everything training needs."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    # 1 where the token is trained on, 0 for tool or environment output. Defaults to all ones.
+    loss_mask: list[int] | None = None
+    reward: float | None = None
+    group_id: int = 0
+    sample_id: int = 0
+    # The weight version the response was generated with; a list (one per response token) when a
+    # partial rollout spans a weight update.
+    weight_version: int | list[int] = 0
+    status: SampleStatus = SampleStatus.COMPLETED
+    error: str | None = None
+    # MoE routing record: top-k expert ids, [tokens, moe_layers, top_k], smallest int dtype that fits.
+    routing: npt.NDArray[np.integer[Any]] | None = None
+    routing_weights: npt.NDArray[np.floating[Any]] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def effective_loss_mask(self) -> list[int]:
+        if self.loss_mask is None:
+            return [1] * len(self.response_ids)
+        if len(self.loss_mask) != len(self.response_ids):
+            raise ValueError(
+                f"sample {self.sample_id}: loss_mask has {len(self.loss_mask)} entries "
+                f"for {len(self.response_ids)} response tokens"
+            )
+        return self.loss_mask
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the engine samples. Logprobs are always those of log_softmax(logits / temperature)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class GenerateResult:
+    request_id: int
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int
+    routing: npt.NDArray[np.integer[Any]] | None = None
+
+
+@dataclass
+class PackedBatch:
+    """Samples concatenated into flat arrays: what crosses an actor boundary.
+
+    Sequence i occupies tokens[offsets[i]:offsets[i+1]]; its first prompt_lens[i] tokens are the
+    prompt. Per-token arrays (loss_mask, rollout_logprobs, advantages) are aligned with `tokens`, and
+    hold 0 on prompt tokens.
+
+    The optional per-token arrays are filled in by the train step's caller: `old_logprobs` and
+    `ref_logprobs` as recomputed by the trainer, and `loss_weights` (see `LossInputs`), which fold
+    the loss mask and the aggregation over the whole batch.
+    """
+
+    tokens: npt.NDArray[np.int64]
+    offsets: npt.NDArray[np.int64]
+    prompt_lens: npt.NDArray[np.int64]
+    loss_mask: npt.NDArray[np.float32]
+    rollout_logprobs: npt.NDArray[np.float32]
+    advantages: npt.NDArray[np.float32]
+    rewards: npt.NDArray[np.float32]
+    sample_ids: npt.NDArray[np.int64]
+    group_ids: npt.NDArray[np.int64]
+    old_logprobs: npt.NDArray[np.float32] | None = None
+    ref_logprobs: npt.NDArray[np.float32] | None = None
+    loss_weights: npt.NDArray[np.float32] | None = None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def seq_lens(self) -> npt.NDArray[np.int64]:
+        return np.diff(self.offsets)
+
+    @classmethod
+    def from_samples(
+        cls, samples: list[Sample], advantages: list[float] | None = None
+    ) -> PackedBatch:
+        """Pack samples; each sample's scalar advantage is spread over its response tokens."""
+        lens = [s.num_tokens for s in samples]
+        offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        total = int(offsets[-1])
+        tokens = np.zeros(total, dtype=np.int64)
+        mask = np.zeros(total, dtype=np.float32)
+        logprobs = np.zeros(total, dtype=np.float32)
+        adv = np.zeros(total, dtype=np.float32)
+        for i, s in enumerate(samples):
+            start, p = int(offsets[i]), len(s.prompt_ids)
+            end = int(offsets[i + 1])
+            tokens[start : start + p] = s.prompt_ids
+            tokens[start + p : end] = s.response_ids
+            mask[start + p : end] = s.effective_loss_mask()
+            if s.rollout_logprobs:
+                logprobs[start + p : end] = s.rollout_logprobs
+            if advantages is not None:
+                adv[start + p : end] = advantages[i]
+        return cls(
+            tokens=tokens,
+            offsets=offsets,
+            prompt_lens=np.array([len(s.prompt_ids) for s in samples], dtype=np.int64),
+            loss_mask=mask,
+            rollout_logprobs=logprobs,
+            advantages=adv,
+            rewards=np.array([s.reward or 0.0 for s in samples], dtype=np.float32),
+            sample_ids=np.array([s.sample_id for s in samples], dtype=np.int64),
+            group_ids=np.array([s.group_id for s in samples], dtype=np.int64),
+        )
+
+    def select(self, indices: list[int] | npt.NDArray[np.int64]) -> PackedBatch:
+        """A new batch holding the given sequences, in the given order."""
+        idx = np.asarray(indices, dtype=np.int64)
+        lens = self.seq_lens[idx]
+        offsets = np.zeros(len(idx) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        token_idx = (
+            np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in idx])
+            if len(idx)
+            else np.zeros(0, dtype=np.int64)
+        )
+        return PackedBatch(
+            tokens=self.tokens[token_idx],
+            offsets=offsets,
+            prompt_lens=self.prompt_lens[idx],
+            loss_mask=self.loss_mask[token_idx],
+            rollout_logprobs=self.rollout_logprobs[token_idx],
+            advantages=self.advantages[token_idx],
+            rewards=self.rewards[idx],
+            sample_ids=self.sample_ids[idx],
+            group_ids=self.group_ids[idx],
+            old_logprobs=None if self.old_logprobs is None else self.old_logprobs[token_idx],
+            ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[token_idx],
+            loss_weights=None if self.loss_weights is None else self.loss_weights[token_idx],
+        )
+
+
+def split_by_token_budget(
+    seq_lens: list[int] | npt.NDArray[np.int64], budget: int
+) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most `budget` tokens, keeping order.
+
+    A sequence longer than the budget goes into a micro-batch of its own rather than failing.
+    """
+    if budget <= 0:
+        raise ValueError(f"micro-batch token budget must be positive, got {budget}")
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, n in enumerate(int(x) for x in seq_lens):
+        if current and used + n > budget:
+            batches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What lifecycle hooks learn about the run they observe."""
+
+    run_id: str
+    name: str
+    run_dir: str
+    config: dict[str, Any]

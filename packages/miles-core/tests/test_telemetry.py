@@ -1,0 +1,96 @@
+"""Logs carry trace context; spans reach traces.jsonl and the standard OTLP/HTTP exporter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+SCRIPT = """
+import structlog, sys
+from pathlib import Path
+from typing import ClassVar
+from miles.core.logsetup import configure_logging
+from miles.core.observability import configure_tracing, shutdown_tracing
+from miles.core.telemetry import span, carrier, attached
+
+run_dir = Path(sys.argv[1])
+configure_logging("json", "info", events_path=run_dir / "events.jsonl")
+configure_tracing(run_dir, service_name="test")
+log = structlog.get_logger()
+log.info("outside")
+with span("miles.step", step=1, run_id="r1"):
+    log.warning("inside", detail=7)
+    remote = carrier()
+with attached(remote), span("miles.train_step", step=1):
+    pass
+shutdown_tracing()
+"""
+
+
+def run_script(run_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(run_dir)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        check=True,
+        timeout=60,
+    )
+
+
+def test_logs_and_spans_link(tmp_path: Path) -> None:
+    proc = run_script(tmp_path, {"OTEL_EXPORTER_OTLP_ENDPOINT": ""})
+    lines = [json.loads(x) for x in proc.stderr.splitlines() if x.startswith("{")]
+    outside = next(x for x in lines if x["event"] == "outside")
+    inside = next(x for x in lines if x["event"] == "inside")
+    assert "trace_id" not in outside
+    spans = {
+        s["name"]: s for s in map(json.loads, (tmp_path / "traces.jsonl").read_text().splitlines())
+    }
+    step, train = spans["miles.step"], spans["miles.train_step"]
+    assert inside["trace_id"] == step["trace_id"] and inside["span_id"] == step["span_id"]
+    # Context carried through a carrier dict (as across a Ray call) makes a child, same trace.
+    assert train["trace_id"] == step["trace_id"] and train["parent_span_id"] == step["span_id"]
+    assert step["attributes"] == {"step": 1, "run_id": "r1"}
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["outside", "inside"]
+
+
+class _Collector(BaseHTTPRequestHandler):
+    received: ClassVar[list[tuple[str, bytes, str]]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.received.append((self.path, body, self.headers.get("Content-Type", "")))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_spans_go_to_standard_otlp_exporter(tmp_path: Path) -> None:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    server = HTTPServer(("127.0.0.1", 0), _Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        run_script(
+            tmp_path, {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_port}"}
+        )
+    finally:
+        server.shutdown()
+    assert _Collector.received, "no OTLP request arrived"
+    path, body, content_type = _Collector.received[0]
+    assert path == "/v1/traces" and content_type == "application/x-protobuf"
+    request = ExportTraceServiceRequest.FromString(body)
+    names = {s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
+    assert names == {"miles.step", "miles.train_step"}

@@ -1,0 +1,1 @@
+"""miles-recipes' plugin module: the components it registers."""

@@ -1,0 +1,35 @@
+"""miles-rewards' plugin module: the components it registers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from miles.core import ComponentSpec, Kind, hookimpl
+from miles.rewards.exact_match import ExactMatch, ExactMatchConfig
+from miles.rewards.filters import DropFailed, DropFailedConfig
+
+
+@hookimpl
+def miles_register_rewards() -> Iterable[ComponentSpec]:
+    return [
+        ComponentSpec(
+            Kind.REWARD,
+            "exact_match",
+            ExactMatch,
+            "1.0 when the response equals the row's reference answer",
+            ExactMatchConfig,
+        ),
+    ]
+
+
+@hookimpl
+def miles_register_filters() -> Iterable[ComponentSpec]:
+    return [
+        ComponentSpec(
+            Kind.FILTER,
+            "drop_failed",
+            DropFailed,
+            "drop samples whose generation or reward failed",
+            DropFailedConfig,
+        ),
+    ]

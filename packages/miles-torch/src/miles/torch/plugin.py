@@ -1,0 +1,1 @@
+"""miles-torch' plugin module: the components it registers."""
