@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -149,6 +150,54 @@ def components_list(kind: str | None, as_json: bool) -> None:
     rows = [("KIND", "NAME", "PROVIDED BY", "SUMMARY")]
     rows += [(str(c.kind), c.name, c.provider, c.spec.summary) for c in items]
     _print_table(rows)
+
+
+# ── run ──────────────────────────────────────────────────────────────────────────────────────────
+
+
+@cli.command()
+@click.argument("target", required=False)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override any config key, e.g. --set steps=20 --set rollout.temperature=0.8.",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where the run writes its files (default: runs/NAME-TIMESTAMP).",
+)
+@click.option(
+    "--resume", is_flag=True, help="Continue the run in --run-dir from its last checkpoint."
+)
+@click.option("--ray-address", default=None, help="Join this Ray cluster instead of starting one.")
+@click.pass_context
+def run(
+    ctx: click.Context,
+    target: str | None,
+    overrides: tuple[str, ...],
+    run_dir: Path | None,
+    resume: bool,
+    ray_address: str | None,
+) -> None:
+    """Run RL post-training from CONFIG.yaml or a recipe name (see `miles components list --kind recipe`)."""
+    from miles.core.runner import RunRequest, run_from_cli
+
+    if target is None and not resume:
+        raise click.UsageError("give a CONFIG.yaml or a recipe name (or --resume --run-dir DIR)")
+    request = RunRequest(
+        target=target or "",
+        overrides=list(overrides),
+        run_dir=run_dir,
+        resume=resume,
+        ray_address=ray_address,
+        log_format=ctx.obj["log_format"],
+        log_level=ctx.obj["log_level"],
+    )
+    sys.exit(run_from_cli(request))
 
 
 def _print_table(rows: Sequence[tuple[str, ...]]) -> None:

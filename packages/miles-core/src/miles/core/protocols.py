@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from miles.core.types import GenerateRequest, GenerateResult, PackedBatch
+from miles.core.types import GenerateRequest, GenerateResult, PackedBatch, Sample, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -89,3 +89,33 @@ class TrainBackend(Protocol):
     def sleep(self) -> None: ...
 
     def wake(self) -> None: ...
+
+
+@dataclass
+class PromptGroup:
+    """One prompt, tokenized once, and the ids of the samples to generate for it."""
+
+    group_id: int
+    prompt_ids: list[int]
+    row: dict[str, Any]  # the data row: reference answers, test cases, ...
+    sample_ids: list[int]
+
+
+class RolloutContext(Protocol):
+    """What a rollout function may use: the engines, the tokenizer, the sampling defaults."""
+
+    @property
+    def sampling(self) -> SamplingParams: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """Results in request order. Requests from concurrent calls are batched together."""
+        ...
+
+
+class RolloutFunction(Protocol):
+    """How one group is generated: single-turn, multi-turn with tools, agentic."""
+
+    async def __call__(self, ctx: RolloutContext, group: PromptGroup) -> list[Sample]: ...

@@ -17,7 +17,7 @@ tracer = trace.get_tracer("miles")
 
 
 @contextmanager
-def span(name: str, **attributes: Any) -> Iterator[trace.Span]:
+def span(name: str, /, **attributes: Any) -> Iterator[trace.Span]:
     """A span named like ``miles.rollout``; step, run and actor ids go in attributes."""
     with tracer.start_as_current_span(name, attributes=_clean(attributes)) as current:
         yield current

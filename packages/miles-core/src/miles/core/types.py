@@ -156,6 +156,25 @@ class PackedBatch:
             group_ids=np.array([s.group_id for s in samples], dtype=np.int64),
         )
 
+    def to_samples(self) -> list[Sample]:
+        """Unpacks into Sample objects (for lifecycle hooks and tests; training uses arrays)."""
+        samples = []
+        for i in range(len(self)):
+            start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+            p = start + int(self.prompt_lens[i])
+            samples.append(
+                Sample(
+                    prompt_ids=self.tokens[start:p].tolist(),
+                    response_ids=self.tokens[p:end].tolist(),
+                    rollout_logprobs=self.rollout_logprobs[p:end].tolist(),
+                    loss_mask=self.loss_mask[p:end].astype(int).tolist(),
+                    reward=float(self.rewards[i]),
+                    group_id=int(self.group_ids[i]),
+                    sample_id=int(self.sample_ids[i]),
+                )
+            )
+        return samples
+
     def select(self, indices: list[int] | npt.NDArray[np.int64]) -> PackedBatch:
         """A new batch holding the given sequences, in the given order."""
         idx = np.asarray(indices, dtype=np.int64)

@@ -6,8 +6,6 @@ from collections.abc import Callable
 
 import torch
 
-from miles.core.protocols import LossInputs, PolicyLoss
-
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -27,18 +25,3 @@ def k3() -> KLEstimator:
         return torch.exp(neg) - 1.0 - neg
 
     return estimate
-
-
-class WithKLPenalty:
-    """Adds `coef * KL(pi || pi_ref)` to any policy loss, as a loss term."""
-
-    def __init__(self, base: PolicyLoss, kl: KLEstimator, coef: float) -> None:
-        self.base, self.kl, self.coef = base, kl, coef
-
-    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, metrics = self.base(inputs)
-        if inputs.ref_logprobs is None:
-            raise ValueError("a KL term needs reference logprobs: set train.ref_model: true")
-        kl = self.kl(inputs.logprobs, inputs.ref_logprobs)
-        metrics = {**metrics, "train/kl_ref": kl.detach()}
-        return loss + self.coef * kl, metrics

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from miles.core import ComponentSpec, Kind, hookimpl
 from miles.rewards.exact_match import ExactMatch, ExactMatchConfig
 from miles.rewards.filters import DropFailed, DropFailedConfig
+from miles.rewards.single_turn import SingleTurn, SingleTurnConfig
 
 
 @hookimpl
@@ -31,5 +32,18 @@ def miles_register_filters() -> Iterable[ComponentSpec]:
             DropFailed,
             "drop samples whose generation or reward failed",
             DropFailedConfig,
+        ),
+    ]
+
+
+@hookimpl
+def miles_register_rollout_functions() -> Iterable[ComponentSpec]:
+    return [
+        ComponentSpec(
+            Kind.ROLLOUT_FUNCTION,
+            "single_turn",
+            SingleTurn,
+            "one prompt, n independent responses (the default)",
+            SingleTurnConfig,
         ),
     ]

@@ -1,0 +1,332 @@
+"""The run config: one YAML file, one typed section per component.
+
+Top-level keys are a contract: name, seed, steps, mode, model, data, rollout, reward, filters,
+algorithm, train, precision, lora, moe, async, checkpoint, telemetry (plus warmstart and eval).
+A section that names a component (``reward: {name: exact_match, answer_key: label}``) keeps the
+component's own options aside; `validate` checks them against that component's config dataclass,
+before any worker starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from miles.core.components import Kind
+from miles.core.configtools import ConfigError, build, closest, to_dict
+
+Mode = Literal["sync", "one_step_off", "async"]
+
+
+@dataclass
+class ComponentRef:
+    """A component by registry name (or ``package.module:attr``) plus its own options."""
+
+    __shorthand__ = "name"
+    __options__ = "options"
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # a local Hugging Face checkpoint directory or a hub id
+    family: str | None = None
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # .jsonl, .parquet, or a hub dataset id (needs `datasets`)
+    prompt_key: str = "prompt"
+    split: str = "train"
+    shuffle: bool = True
+    chat_template: bool = True  # wrap each prompt with the tokenizer's chat template
+    system_prompt: str | None = None
+
+
+@dataclass
+class RolloutConfig:
+    """Generic rollout settings; any other key is an option of the rollout backend."""
+
+    __options__ = "options"
+
+    backend: str = "torch"
+    function: ComponentRef = field(default_factory=lambda: ComponentRef("single_turn"))
+    engines: int = 1
+    gpus_per_engine: int = 1
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4  # the group size
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    sync_bucket_mb: int = 64  # weight-sync bucket size
+    verify_weights: bool = True  # checksum engine weights against the trainer's after each sync
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("engines", "prompts_per_step", "samples_per_prompt", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("rollout.temperature must be >= 0 and rollout.top_p in (0, 1]")
+
+
+@dataclass
+class KLSettings:
+    coef: float = 0.0  # 0 turns the reference policy off
+    estimator: str = "k3"
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: ComponentRef = field(default_factory=lambda: ComponentRef("grpo"))
+    loss: ComponentRef = field(default_factory=lambda: ComponentRef("ppo_clip"))
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    seq_sum_normalizer: float = 1.0  # the constant of seq_mean_token_sum (Dr.GRPO: max length)
+    kl: KLSettings = field(default_factory=KLSettings)
+
+
+@dataclass
+class TrainConfig:
+    """Generic train settings; any other key (lr, micro_batch_tokens...) is a backend option."""
+
+    __options__ = "options"
+
+    backend: str = "fsdp"
+    world_size: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WarmstartConfig:
+    """An optional SFT stage before RL, through the same train backend and the `sft` loss."""
+
+    data: str | None = None  # JSONL rows with a prompt and a response
+    steps: int = 0
+    batch_size: int = 32
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+
+
+@dataclass
+class EvalConfig:
+    data: str | None = None  # held-out prompts, same format as `data`
+    every: int = 0  # also evaluate every N steps; 0: only at the end
+    max_prompts: int | None = None
+    temperature: float = 0.0  # greedy by default
+
+
+@dataclass
+class MoEConfig:
+    routing_replay: Literal["off", "ids", "ids+weights"] = "off"
+
+
+@dataclass
+class AsyncConfig:
+    max_staleness: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps; 0: only at the end
+    keep: int = 2
+    at_end: bool = True
+
+
+@dataclass
+class TelemetryConfig:
+    progress: bool = True
+    sinks: list[ComponentRef] = field(default_factory=lambda: [ComponentRef("jsonl")])
+
+
+@dataclass
+class RunConfig:
+    name: str = "miles"
+    seed: int = 0
+    steps: int = 10
+    mode: Mode = "sync"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: ComponentRef = field(default_factory=lambda: ComponentRef("exact_match"))
+    filters: list[ComponentRef] = field(default_factory=list)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    precision: ComponentRef = field(default_factory=lambda: ComponentRef("fp32"))
+    lora: dict[str, Any] | None = None
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(to_dict(self))
+
+
+# ── loading ──────────────────────────────────────────────────────────────────────────────────────
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping of sections"])
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``a.b=c`` sets data[a][b] to c, parsed as YAML (so 3 is an int and [1, 2] a list)."""
+    out = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError([f"--set {item!r}: expected key.path=value"])
+        *parents, leaf = key.split(".")
+        node = out
+        for i, part in enumerate(parents):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                where = ".".join(parents[: i + 1])
+                raise ConfigError([f"--set {item!r}: {where} is {child!r}, not a section"])
+            node = child
+        node[leaf] = yaml.safe_load(raw) if raw else ""
+    return out
+
+
+def parse(data: dict[str, Any]) -> RunConfig:
+    """The typed run config, or ConfigError naming every bad key path."""
+    return build(RunConfig, data)
+
+
+def validate(config: RunConfig, manager: Any) -> None:
+    """Checks every component name and its options against the installed plugins."""
+    problems: list[str] = []
+
+    def check(
+        kind: Kind,
+        ref: ComponentRef | str,
+        path: str,
+        options: dict[str, Any],
+        generic: tuple[str, ...] = (),
+    ) -> None:
+        name = ref.name if isinstance(ref, ComponentRef) else ref
+        try:
+            spec = manager.get(kind, name).spec
+        except LookupError as exc:
+            problems.append(f"{path}: {exc}")
+            return
+        if spec.config is None:
+            if options:
+                problems.append(f"{path}: {kind} {name!r} takes no options, got {sorted(options)}")
+            return
+        own = [f.name for f in dataclasses.fields(spec.config)]
+        for key in options:
+            if key not in own:
+                accepted = ", ".join([*generic, *own])
+                problems.append(
+                    f"{path}.{key}: unknown key{closest(key, [*generic, *own])} "
+                    f"(accepted here: {accepted})"
+                )
+        try:
+            build(spec.config, {k: v for k, v in options.items() if k in own}, path)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+
+    def ref(kind: Kind, r: ComponentRef, path: str) -> None:
+        check(kind, r, path, r.options)
+
+    ref(Kind.ROLLOUT_FUNCTION, config.rollout.function, "rollout.function")
+    check(
+        Kind.ROLLOUT_BACKEND,
+        config.rollout.backend,
+        "rollout",
+        config.rollout.options,
+        _generic_keys(RolloutConfig),
+    )
+    check(
+        Kind.TRAIN_BACKEND,
+        config.train.backend,
+        "train",
+        config.train.options,
+        _generic_keys(TrainConfig),
+    )
+    ref(Kind.REWARD, config.reward, "reward")
+    for i, f in enumerate(config.filters):
+        ref(Kind.FILTER, f, f"filters[{i}]")
+    ref(Kind.ADVANTAGE, config.algorithm.advantage, "algorithm.advantage")
+    ref(Kind.LOSS, config.algorithm.loss, "algorithm.loss")
+    if config.algorithm.kl.coef:
+        check(Kind.KL, config.algorithm.kl.estimator, "algorithm.kl.estimator", {})
+    ref(Kind.PRECISION, config.precision, "precision")
+    for i, s in enumerate(config.telemetry.sinks):
+        ref(Kind.METRIC_SINK, s, f"telemetry.sinks[{i}]")
+    if config.model.family is not None:
+        check(Kind.FAMILY, config.model.family, "model.family", {})
+    problems.extend(_check_run_shape(config))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_run_shape(config: RunConfig) -> list[str]:
+    problems = []
+    if not config.model.path:
+        problems.append("model.path: required (a local Hugging Face checkpoint dir or a hub id)")
+    if not config.data.path:
+        problems.append("data.path: required (a .jsonl or .parquet file, or a hub dataset id)")
+    if config.steps < 0:
+        problems.append("steps: must be >= 0")
+    if config.mode != "sync":
+        problems.append(
+            f"mode: {config.mode!r} is not supported by miles-core {_core_version()} yet; use 'sync'"
+        )
+    if config.lora is not None:
+        problems.append("lora: no installed precision plugin provides LoRA yet; remove the key")
+    if config.moe.routing_replay != "off":
+        problems.append(
+            "moe.routing_replay: no installed model family provides a router adapter; use 'off'"
+        )
+    if config.warmstart.steps and not config.warmstart.data:
+        problems.append("warmstart.data: required when warmstart.steps > 0")
+    for path in (config.data.path, config.warmstart.data, config.eval.data):
+        if path and _looks_local(path) and not Path(path).exists():
+            problems.append(f"{path}: file not found")
+    return problems
+
+
+def _generic_keys(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "options")
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith(("/", "./", "../")) or path.endswith((".jsonl", ".json", ".parquet"))
+
+
+__all__ = [
+    "ComponentRef",
+    "ConfigError",
+    "RunConfig",
+    "apply_overrides",
+    "closest",
+    "load_yaml",
+    "parse",
+    "validate",
+]
+
+
+def _core_version() -> str:
+    from miles.core import __version__
+
+    return __version__

@@ -1,0 +1,170 @@
+"""Typed config sections from plain dicts, with errors that name the key path and the fix.
+
+A section is a dataclass. `build(cls, data, path)` checks every key and value against the field
+types (nested dataclasses, Literal, Optional, list, dict, int, float, str, bool) and collects all
+problems before raising, so a user sees every mistake in one go.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, TypeVar, Union, get_args, get_origin
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """One or more invalid config values; each message starts with the key path."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid config:\n  " + "\n  ".join(problems))
+
+
+def closest(name: str, choices: typing.Iterable[str]) -> str:
+    """' (did you mean 'x'?)' or ''."""
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def build(cls: type[T], data: Any, path: str = "") -> T:
+    """An instance of dataclass `cls` from `data`, or ConfigError listing every problem."""
+    problems: list[str] = []
+    value = _convert(cls, data, path, problems)
+    if problems:
+        raise ConfigError(problems)
+    return typing.cast(T, value)
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass instance back to plain dicts and lists (for config.yaml)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            value = to_dict(getattr(obj, f.name))
+            if f.name == getattr(obj, "__options__", None):
+                out.update(value)  # options are written flat, as the user wrote them
+            else:
+                out[f.metadata.get("key", f.name)] = value
+        return out
+    if isinstance(obj, list | tuple):
+        return [to_dict(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def _key(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _convert_dataclass(typing.cast(type, tp), value, path, problems)
+    if origin is typing.Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            shown = ", ".join(repr(a) for a in allowed)
+            hint = closest(str(value), [str(a) for a in allowed])
+            problems.append(f"{path}: {value!r} is not one of {shown}{hint}")
+        return value
+    if origin in (Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            trial: list[str] = []
+            converted = _convert(option, value, path, trial)
+            if not trial:
+                return converted
+        names = " or ".join(_type_name(o) for o in options)
+        problems.append(f"{path}: expected {names}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            problems.append(f"{path}: expected a list, got {value!r}")
+            return value
+        (item_type, *_) = get_args(tp) or (Any,)
+        return [_convert(item_type, v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected a mapping, got {value!r}")
+            return value
+        return dict(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            problems.append(f"{path}: expected a number, got {value!r}")
+            return value
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp in (str, bool):
+        if not isinstance(value, tp):
+            problems.append(f"{path}: expected {tp.__name__}, got {value!r}")
+        return value
+    return value
+
+
+def _convert_dataclass(cls: type, value: Any, path: str, problems: list[str]) -> Any:
+    """Keys map to fields (``metadata["key"]`` renames one, e.g. ``async``). A class may declare
+    ``__shorthand__`` (a scalar value fills that field) and ``__options__`` (a dict field that
+    collects unknown keys for a component's own config to check later)."""
+    shorthand, options = getattr(cls, "__shorthand__", None), getattr(cls, "__options__", None)
+    if value is None:
+        value = {}
+    if shorthand and isinstance(value, str | int | float):
+        value = {shorthand: value}
+    if not isinstance(value, dict):
+        problems.append(f"{path or 'config'}: expected a mapping, got {value!r}")
+        return None
+    fields = {f.metadata.get("key", f.name): f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, raw in value.items():
+        field = fields.get(str(key))
+        if field is None or field.name == options:
+            if options:
+                extra[str(key)] = raw
+                continue
+            problems.append(
+                f"{_key(path, str(key))}: unknown key{closest(str(key), fields)} "
+                f"(accepted: {', '.join(fields)})"
+            )
+            continue
+        kwargs[field.name] = _convert(hints[field.name], raw, _key(path, str(key)), problems)
+    if options:
+        kwargs[options] = extra
+    missing = [
+        key
+        for key, f in fields.items()
+        if f.name not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    problems.extend(f"{_key(path, key)}: required" for key in missing)
+    if missing:
+        return None
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        problems.append(f"{path or 'config'}: {exc}")
+        return None
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if get_origin(tp) is typing.Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))

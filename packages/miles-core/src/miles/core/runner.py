@@ -1,0 +1,149 @@
+"""`miles run`: resolve the config, check it, lay out the run directory, run the controller.
+
+Every check that can fail on user input happens here, before Ray or any worker starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import structlog
+import yaml
+
+from miles.core.components import ComponentNotFoundError, Kind
+from miles.core.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    load_yaml,
+    parse,
+    validate,
+)
+from miles.core.plugins import get_plugin_manager
+from miles.core.recipe import Recipe
+from miles.core.rundir import default_run_dir, write_config, write_manifest
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class RunRequest:
+    target: str
+    overrides: list[str]
+    run_dir: Path | None = None
+    resume: bool = False
+    ray_address: str | None = None
+    log_format: str = "auto"
+    log_level: str = "info"
+
+
+def _is_file(target: str) -> bool:
+    return target.endswith((".yaml", ".yml")) or Path(target).is_file()
+
+
+def _load_target(target: str) -> tuple[dict[str, Any], Recipe | None]:
+    if _is_file(target):
+        if not Path(target).is_file():
+            raise click.ClickException(f"config file not found: {target}")
+        return load_yaml(target), None
+    try:
+        spec = get_plugin_manager().get(Kind.RECIPE, target).spec
+    except ComponentNotFoundError as exc:
+        raise click.ClickException(
+            f"{target!r} is neither a config file nor a recipe: {exc}. Install miles-recipes "
+            "for the built-in recipes."
+        ) from None
+    recipe = spec.factory()
+    return dict(recipe.config), recipe
+
+
+def resolve_config(request: RunRequest) -> tuple[RunConfig, Path, Recipe | None]:
+    """The typed, validated config and its run directory. Raises ConfigError or ClickException."""
+    if request.resume:
+        if request.run_dir is None or not (request.run_dir / "config.yaml").is_file():
+            raise click.ClickException("--resume needs --run-dir pointing at an existing run")
+        data, recipe = load_yaml(request.run_dir / "config.yaml"), None
+    else:
+        data, recipe = _load_target(request.target)
+    data = apply_overrides(data, request.overrides)
+    config = parse(data)  # key and type errors first, before any asset is built
+    run_dir = request.run_dir or default_run_dir(config.name)
+    if not request.resume and run_dir.exists() and any(run_dir.iterdir()):
+        raise click.ClickException(
+            f"run directory {run_dir} is not empty: pass another --run-dir, or --resume"
+        )
+    if recipe is not None and recipe.prepare is not None:
+        assets = run_dir / "assets"
+        assets.mkdir(parents=True, exist_ok=True)
+        prepared = recipe.prepare(assets, config.seed)
+        # The recipe fills in paths to what it made; the user's --set still wins.
+        data = apply_overrides(data, [f"{k}={_yaml_scalar(v)}" for k, v in prepared.items()])
+        data = apply_overrides(data, request.overrides)
+        config = parse(data)
+    validate(config, get_plugin_manager())
+    return config, run_dir, recipe
+
+
+def _yaml_scalar(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...")
+
+
+def run_from_cli(request: RunRequest) -> int:
+    try:
+        config, run_dir, _ = resolve_config(request)
+    except ConfigError as exc:
+        click.secho(f"error: {exc}", fg="red", err=True)
+        return 2
+
+    from miles.core.logsetup import configure_logging
+    from miles.core.observability import configure_tracing, shutdown_tracing
+    from miles.core.runtime.controller import Controller
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(run_dir, config.to_dict())
+    manager = get_plugin_manager()
+    configure_logging(request.log_format, request.log_level, events_path=run_dir / "events.jsonl")  # type: ignore[arg-type]
+    configure_tracing(run_dir, service_name="miles.controller")
+    controller = Controller(config, run_dir, ray_address=request.ray_address, resume=request.resume)
+    write_manifest(
+        run_dir,
+        run_id=controller.info.run_id,
+        seed=config.seed,
+        plugins=[r.to_json() for r in manager.records.values()],
+    )
+    log.info("run started", run_dir=str(run_dir), run_id=controller.info.run_id)
+    try:
+        result = controller.run()
+    except KeyboardInterrupt:
+        click.secho(f"interrupted; resume with: miles run --resume --run-dir {run_dir}", err=True)
+        return 130
+    except Exception as exc:
+        log.error("run failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        cause = getattr(exc, "cause", None) or exc  # a worker's own exception, not Ray's wrapper
+        click.secho(f"error: the run failed: {type(cause).__name__}: {cause}", fg="red", err=True)
+        click.secho(f"details: {run_dir / 'events.jsonl'}", err=True)
+        return 1
+    finally:
+        shutdown_tracing()
+        _shutdown_ray()
+    summary = {
+        k: round(v, 4)
+        for k, v in result.final_metrics.items()
+        if k.startswith(("eval/", "rollout/reward_mean", "weights/version"))
+    }
+    click.echo(f"run finished: {run_dir}", err=True)
+    for key, value in sorted(summary.items()):
+        click.echo(f"  {key}: {value}", err=True)
+    return 0
+
+
+def _shutdown_ray() -> None:
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()

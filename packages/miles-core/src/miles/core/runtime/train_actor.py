@@ -1,0 +1,140 @@
+"""The Ray actor around one rank of a train backend (any `TrainBackend`).
+
+Every rank receives the same batch object (one `ray.put`) and runs every call, because FSDP-style
+backends need all ranks in each collective; rank 0 alone talks to the rollout engines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from miles.core.algorithm import WithKL, loss_weights, masked_mean
+from miles.core.checksum import tensors_checksum
+from miles.core.components import Kind
+from miles.core.config import RunConfig
+from miles.core.factory import build_component
+from miles.core.runtime.process import flush_traces, free_port, init_actor_process, node_address
+from miles.core.telemetry import attached, span
+from miles.core.types import PackedBatch
+from miles.core.weight_sync import SyncGroup, SyncPlan, meta_of, plan_buckets
+
+
+def train_options(config: RunConfig) -> dict[str, Any]:
+    """The backend's options, with what the rest of the run already decides filled in."""
+    options = dict(config.train.options)
+    # Train-side logprobs must use the rollout's sampling temperature (0 means greedy: use 1).
+    options.setdefault("temperature", config.rollout.temperature or 1.0)
+    options.setdefault("ref_model", config.algorithm.kl.coef > 0)
+    if options.get("lr_schedule", "constant") != "constant":
+        options.setdefault("total_steps", config.steps + config.warmstart.steps)
+    return options
+
+
+class TrainActor:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        config: RunConfig,
+        run_dir: str | None,
+        device: str,
+        num_threads: int | None,
+    ) -> None:
+        init_actor_process(run_dir, role=f"train{rank}", num_threads=num_threads)
+        self.rank, self.config, self.device = rank, config, device
+        self.backend = build_component(
+            Kind.TRAIN_BACKEND,
+            config.train.backend,
+            config.model.path,
+            options=train_options(config),
+            path="train",
+            rank=rank,
+            world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            device=device,
+            seed=config.seed,
+        )
+        algo = config.algorithm
+        self.loss = build_component(Kind.LOSS, algo.loss, path="algorithm.loss")
+        if algo.kl.coef:
+            estimator = build_component(Kind.KL, algo.kl.estimator, path="algorithm.kl.estimator")
+            self.loss = WithKL(self.loss, estimator, algo.kl.coef)
+        self.precision = build_component(Kind.PRECISION, config.precision, path="precision")
+        self._sft_loss: Any = None
+        self._sync: SyncGroup | None = None
+
+    # ── training ─────────────────────────────────────────────────────────────────────────────────
+
+    def train(self, batch: PackedBatch, step: int, trace: dict[str, str]) -> dict[str, float]:
+        """Recomputes old (and reference) logprobs, then one optimizer step with the RL loss."""
+        with attached(trace), span("miles.train_step", step=step, rank=self.rank):
+            with span("miles.logprobs", step=step, rank=self.rank):
+                out = self.backend.logprobs(batch)
+            batch.old_logprobs = out["logprobs"].astype(np.float32)
+            batch.ref_logprobs = out.get("ref_logprobs")
+            mask = batch.loss_mask
+            diff = batch.old_logprobs - batch.rollout_logprobs
+            metrics = {
+                # Before the update: how far the trainer's view of the sampled tokens is from the
+                # engine's. 0 up to float error when both run the same weights and numerics.
+                "train/rollout_logprob_abs_diff": masked_mean(np.abs(diff), mask),
+                "train/rollout_kl": masked_mean(np.exp(-diff) - 1 + diff, mask),
+            }
+            metrics.update(self.backend.train_step(batch, self.loss))
+            return metrics
+
+    def sft(self, batch: PackedBatch, step: int, trace: dict[str, str]) -> dict[str, float]:
+        """One supervised step (the warm-start stage) with the `sft` loss, token mean."""
+        if self._sft_loss is None:
+            self._sft_loss = build_component(Kind.LOSS, "sft")
+        batch.loss_weights = loss_weights(batch, "token_mean")
+        with attached(trace), span("miles.sft_step", step=step, rank=self.rank):
+            return dict(self.backend.train_step(batch, self._sft_loss))
+
+    # ── weights ──────────────────────────────────────────────────────────────────────────────────
+
+    def _rollout_weights(self) -> Any:
+        return self.precision.convert_for_rollout(self.backend.named_weights())
+
+    def sync_plan(self, bucket_bytes: int) -> SyncPlan:
+        """Names, shapes and dtypes of what engines receive (collective: all ranks call it)."""
+        return plan_buckets((meta_of(n, t) for n, t in self._rollout_weights()), bucket_bytes)
+
+    def sync_address(self) -> tuple[str, int]:
+        return node_address(), free_port()
+
+    def init_sync(self, host: str, port: int, world_size: int) -> None:
+        if self.rank == 0:
+            self._sync = SyncGroup(host, port, world_size, 0, device=self.device)
+
+    def send_weights(self, plan: SyncPlan, version: int, trace: dict[str, str]) -> int:
+        """Streams weights to the engines (collective over ranks; rank 0 broadcasts)."""
+        with attached(trace), span("miles.weight_sync.send", version=version, rank=self.rank):
+            if self.rank == 0:
+                assert self._sync is not None, "init_sync first"
+                return self._sync.send(plan, self._rollout_weights())
+            for _ in self._rollout_weights():
+                pass  # other ranks join the all-gathers that materialise each full tensor
+            return 0
+
+    def checksum(self) -> str:
+        """Hash of the weights as engines should hold them (collective; rank 0's is used)."""
+        return tensors_checksum(self._rollout_weights())
+
+    # ── checkpoints ──────────────────────────────────────────────────────────────────────────────
+
+    def save(self, path: str, trace: dict[str, str]) -> None:
+        with attached(trace), span("miles.checkpoint.train", rank=self.rank):
+            self.backend.save(path)
+
+    def load(self, path: str) -> None:
+        self.backend.load(path)
+
+    def flush(self) -> None:
+        flush_traces()

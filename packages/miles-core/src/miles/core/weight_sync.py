@@ -1,0 +1,150 @@
+"""Weight sync: trainer rank 0 broadcasts named tensors to every rollout engine, in buckets.
+
+Both sides agree on a `SyncPlan` (names, shapes, dtypes, bucket boundaries) once, over Ray. Each
+sync then moves only raw bytes through a `torch.distributed` process group of its own (gloo on CPU,
+NCCL on GPU) whose rank 0 is the trainer and ranks 1..N are the engines. Large flat buckets keep the
+number of collectives small; the engine bumps its weight version, and `checksum` lets the
+controller prove engine weights equal the trainer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # e.g. "float32", as in torch.float32
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dtype: str
+    tensors: tuple[TensorMeta, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    buckets: tuple[Bucket, ...] = field(default_factory=tuple)
+
+    @property
+    def num_bytes(self) -> int:
+        import torch
+
+        return sum(b.numel * getattr(torch, b.dtype).itemsize for b in self.buckets)
+
+
+def meta_of(name: str, tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+
+
+def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> SyncPlan:
+    """Consecutive tensors of one dtype share a bucket up to `bucket_bytes`; order is kept, and a
+    tensor larger than the budget gets a bucket of its own."""
+    import torch
+
+    buckets: list[Bucket] = []
+    current: list[TensorMeta] = []
+    used = 0
+    for meta in metas:
+        size = meta.numel * getattr(torch, meta.dtype).itemsize
+        if current and (meta.dtype != current[0].dtype or used + size > bucket_bytes):
+            buckets.append(Bucket(current[0].dtype, tuple(current)))
+            current, used = [], 0
+        current.append(meta)
+        used += size
+    if current:
+        buckets.append(Bucket(current[0].dtype, tuple(current)))
+    return SyncPlan(tuple(buckets))
+
+
+class SyncGroup:
+    """A process group of its own, independent of the trainers' default group."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank: int,
+        device: str = "cpu",
+        timeout_s: float = 600.0,
+    ) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)  # type: ignore[attr-defined]
+        self._pg: Any
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self._pg = dist.ProcessGroupNCCL(
+                store, rank, world_size, dist.ProcessGroupNCCL.Options()
+            )
+        else:
+            self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._pg.broadcast([tensor], opts).wait()
+
+    def send(self, plan: SyncPlan, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Rank 0: broadcasts the tensors, which must arrive in plan order. Returns bytes sent."""
+        import torch
+
+        it = iter(named_tensors)
+        sent = 0
+        for bucket in plan.buckets:
+            parts = []
+            for meta in bucket.tensors:
+                name, tensor = next(it)
+                if name != meta.name or tuple(tensor.shape) != meta.shape:
+                    raise RuntimeError(
+                        f"weight sync: expected {meta.name} {meta.shape}, got {name} "
+                        f"{tuple(tensor.shape)}; the model changed after the sync plan was made"
+                    )
+                parts.append(
+                    tensor.detach().to(self.device, getattr(torch, meta.dtype)).reshape(-1)
+                )
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+            self._broadcast(flat)
+            sent += flat.numel() * flat.element_size()
+        if next(it, None) is not None:
+            raise RuntimeError("weight sync: the trainer has more tensors than the sync plan")
+        return sent
+
+    def receive(self, plan: SyncPlan) -> Iterator[tuple[str, torch.Tensor]]:
+        """Ranks 1..N: yields (name, tensor) views into each received bucket, in plan order."""
+        import torch
+
+        for bucket in plan.buckets:
+            flat = torch.empty(bucket.numel, dtype=getattr(torch, bucket.dtype), device=self.device)
+            self._broadcast(flat)
+            offset = 0
+            for meta in bucket.tensors:
+                yield meta.name, flat[offset : offset + meta.numel].view(meta.shape)
+                offset += meta.numel
