@@ -100,6 +100,8 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
             return value
         return dict(value)
     if tp is float:
+        if isinstance(value, str):
+            value = _yaml11_float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, int | float):
             problems.append(f"{path}: expected a number, got {value!r}")
             return value
@@ -160,6 +162,13 @@ def _convert_dataclass(cls: type, value: Any, path: str, problems: list[str]) ->
     except (TypeError, ValueError) as exc:
         problems.append(f"{path or 'config'}: {exc}")
         return None
+
+
+def _yaml11_float(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _type_name(tp: Any) -> str:

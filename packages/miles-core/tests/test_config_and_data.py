@@ -1,0 +1,87 @@
+"""Config parsing and overrides, the prompt source, and loss weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from miles.core.algorithm import loss_weights
+from miles.core.config import ConfigError, apply_overrides, parse
+from miles.core.configtools import build
+from miles.core.data import PromptSource, read_jsonl
+from miles.core.types import PackedBatch, Sample, split_by_token_budget
+
+
+@dataclass
+class _BackendConfig:
+    lr: float = 0.1
+
+
+def test_overrides_are_typed_and_nested() -> None:
+    data = apply_overrides({"rollout": {"temperature": 1.0}},
+                           ["seed=7", "mode=sync", "rollout.stop=[a, b]", "train.lr=1e-4"])
+    config = parse(data)
+    assert config.seed == 7 and config.rollout.stop == ["a", "b"]
+    assert config.train.options == {"lr": "1e-4"}  # backend options stay with the backend...
+    assert build(_BackendConfig, config.train.options).lr == 1e-4  # ...whose config reads them
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        apply_overrides({}, ["seed"])
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse({"stepz": 3, "mode": "fast", "eval": {"every": "often"}})
+    text = str(err.value)
+    assert "stepz: unknown key; did you mean 'steps'?" in text
+    assert "mode: 'fast' is not one of" in text
+    assert "eval.every: expected an integer" in text
+
+
+def test_config_round_trips_through_to_dict() -> None:
+    config = parse({"async": {"max_staleness": 3}, "reward": "exact_match",
+                    "train": {"lr": 0.1}})
+    again = parse(config.to_dict())
+    assert again == config and config.to_dict()["async"] == {"max_staleness": 3}
+
+
+def test_prompt_source_is_deterministic_and_resumable(tmp_path: Path) -> None:
+    rows = [{"prompt": str(i)} for i in range(5)]
+    a, b = PromptSource(rows, seed=1), PromptSource(rows, seed=1)
+    first = a.next(7)
+    assert first == b.next(7) and a.state.epoch == 1
+    assert sorted(r["prompt"] for r in first[:5]) == [str(i) for i in range(5)]
+    state = a.get_state()
+    expected = a.next(4)
+    c = PromptSource(rows, seed=1)
+    c.set_state(state)
+    assert c.next(4) == expected
+    assert PromptSource(rows, seed=2).next(5) != first[:5]
+
+
+def test_jsonl_errors_name_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n{not json}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        read_jsonl(str(path))
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_loss_weights_sum_the_same_over_any_micro_batching(aggregation: str) -> None:
+    rng = np.random.default_rng(0)
+    samples = [Sample(prompt_ids=[1] * 3, response_ids=[2] * int(n)) for n in rng.integers(1, 9, 12)]
+    batch = PackedBatch.from_samples(samples)
+    w = loss_weights(batch, aggregation, seq_sum_normalizer=8.0)  # type: ignore[arg-type]
+    per_token_loss = rng.normal(size=w.shape)
+    one_shot = float((w * per_token_loss).sum())
+    for budget in (5, 11, 1000):
+        parts = split_by_token_budget(batch.seq_lens, budget)
+        total = 0.0
+        for part in parts:
+            idx = np.concatenate([np.arange(batch.offsets[i], batch.offsets[i + 1]) for i in part])
+            total += float((w[idx] * per_token_loss[idx]).sum())
+        assert total == pytest.approx(one_shot, rel=1e-6)
+    if aggregation == "token_mean":
+        assert w.sum() == pytest.approx(1.0)

@@ -1,0 +1,59 @@
+"""Shared fixtures for the cross-package tests: tiny real checkpoints and `miles run` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+MILES = [sys.executable, "-m", "miles.core.cli"]
+
+
+def run_miles(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CI": "1", "RAY_DEDUP_LOGS": "0"}
+    return subprocess.run([*MILES, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env=env)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A tiny Qwen3 checkpoint (random weights, written now) and a small prompt set."""
+    from miles.torch.testing import make_tiny_model
+
+    root = tmp_path_factory.mktemp("assets")
+    model = make_tiny_model(root / "model", arch="qwen3", vocab_size=128, seed=0)
+    rows = [{"prompt": f"say {c}", "answer": c} for c in "abcdefghijkl"]
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"model": model, "data": str(data)}
+
+
+def write_config(path: Path, assets: dict[str, str], **sections: Any) -> Path:
+    config: dict[str, Any] = {
+        "name": "tiny",
+        "seed": 3,
+        "steps": 2,
+        "model": {"path": assets["model"]},
+        "data": {"path": assets["data"]},
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 6},
+        "reward": {"name": "exact_match"},
+        "train": {"lr": 1.0e-3, "micro_batch_tokens": 128},
+        "telemetry": {"progress": False},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    path.write_text(yaml.safe_dump(config))
+    return path

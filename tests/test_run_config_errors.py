@@ -1,0 +1,42 @@
+"""Bad configs fail before any worker starts, naming the key path and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .conftest import run_miles, write_config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["mode=asynch"], "mode: 'asynch' is not one of 'sync', 'one_step_off', 'async'; did you mean 'async'?"),
+        (["rollout.temperatur=0.5"], "rollout.temperatur: unknown key; did you mean 'temperature'?"),
+        (["reward.name=exact_matc"], "reward: unknown reward 'exact_matc'; did you mean 'exact_match'?"),
+        (["reward.answer_kee=x"], "reward.answer_kee: unknown key; did you mean 'answer_key'?"),
+        (["train.lr_schedul=cosine"], "train.lr_schedul: unknown key; did you mean 'lr_schedule'?"),
+        (["steps=many"], "steps: expected an integer, got 'many'"),
+        (["rollout.samples_per_prompt=0"], "rollout.samples_per_prompt must be at least 1"),
+        (["algorithm.loss=ppo_clipp"], "algorithm.loss: unknown loss 'ppo_clipp'; did you mean 'ppo_clip'?"),
+        (["data.path=/nope/missing.jsonl"], "/nope/missing.jsonl: file not found"),
+    ],
+)
+def test_bad_config_is_rejected_before_workers(
+    tmp_path: Path, tiny_assets: dict[str, str], overrides: list[str], expected: str
+) -> None:
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_assets)
+    args = [a for o in overrides for a in ("--set", o)]
+    proc = run_miles("run", str(cfg), "--run-dir", str(tmp_path / "run"), *args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started or written
+
+
+def test_unknown_recipe_or_missing_file(tmp_path: Path) -> None:
+    proc = run_miles("run", "quickstar", timeout=60)
+    assert proc.returncode != 0 and "did you mean 'quickstart'?" in proc.stderr
+    proc = run_miles("run", str(tmp_path / "nope.yaml"), timeout=60)
+    assert proc.returncode != 0 and "config file not found" in proc.stderr
