@@ -15,10 +15,26 @@ import yaml
 MILES = [sys.executable, "-m", "miles.core.cli"]
 
 
-def run_miles(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CI": "1", "RAY_DEDUP_LOGS": "0"}
-    return subprocess.run([*MILES, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd, env=env)
+# A graded reward for random tiny models, used by import path (no plugin needed for one-off code):
+# exact match would score every sample 0, leaving no advantage and so no gradient to compare.
+REWARD_MODULE = '''
+async def vowel_fraction(response, sample):
+    """Fraction of the response's characters that are vowels."""
+    return sum(c in "aeiou" for c in response) / max(len(response), 1)
+'''
+TEST_MODULES = Path(__file__).parent / "_modules"
+
+
+def run_miles(
+    *args: str, cwd: Path | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess[str]:
+    TEST_MODULES.mkdir(exist_ok=True)
+    (TEST_MODULES / "miles_test_rewards.py").write_text(REWARD_MODULE)
+    pythonpath = os.pathsep.join(filter(None, [str(TEST_MODULES), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "CI": "1", "RAY_DEDUP_LOGS": "0", "PYTHONPATH": pythonpath}
+    return subprocess.run(
+        [*MILES, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -46,7 +62,7 @@ def write_config(path: Path, assets: dict[str, str], **sections: Any) -> Path:
         "model": {"path": assets["model"]},
         "data": {"path": assets["data"]},
         "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 6},
-        "reward": {"name": "exact_match"},
+        "reward": {"name": "miles_test_rewards:vowel_fraction"},
         "train": {"lr": 1.0e-3, "micro_batch_tokens": 128},
         "telemetry": {"progress": False},
     }

@@ -12,14 +12,29 @@ from .conftest import run_miles, write_config
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["mode=asynch"], "mode: 'asynch' is not one of 'sync', 'one_step_off', 'async'; did you mean 'async'?"),
-        (["rollout.temperatur=0.5"], "rollout.temperatur: unknown key; did you mean 'temperature'?"),
-        (["reward.name=exact_matc"], "reward: unknown reward 'exact_matc'; did you mean 'exact_match'?"),
-        (["reward.answer_kee=x"], "reward.answer_kee: unknown key; did you mean 'answer_key'?"),
+        (
+            ["mode=asynch"],
+            "mode: 'asynch' is not one of 'sync', 'one_step_off', 'async'; did you mean 'async'?",
+        ),
+        (
+            ["rollout.temperatur=0.5"],
+            "rollout.temperatur: unknown key; did you mean 'temperature'?",
+        ),
+        (
+            ["reward.name=exact_matc"],
+            "reward: unknown reward 'exact_matc'; did you mean 'exact_match'?",
+        ),
+        (
+            ["reward.name=exact_match", "reward.answer_kee=x"],
+            "reward.answer_kee: unknown key; did you mean 'answer_key'?",
+        ),
         (["train.lr_schedul=cosine"], "train.lr_schedul: unknown key; did you mean 'lr_schedule'?"),
         (["steps=many"], "steps: expected an integer, got 'many'"),
         (["rollout.samples_per_prompt=0"], "rollout.samples_per_prompt must be at least 1"),
-        (["algorithm.loss=ppo_clipp"], "algorithm.loss: unknown loss 'ppo_clipp'; did you mean 'ppo_clip'?"),
+        (
+            ["algorithm.loss=ppo_clipp"],
+            "algorithm.loss: unknown loss 'ppo_clipp'; did you mean 'ppo_clip'?",
+        ),
         (["data.path=/nope/missing.jsonl"], "/nope/missing.jsonl: file not found"),
     ],
 )

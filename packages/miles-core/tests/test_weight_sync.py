@@ -28,9 +28,13 @@ def test_plan_buckets_respects_budget_dtype_and_order() -> None:
     assert names == [["a.weight"], ["a.bias"], ["b.weight"], ["c.weight"]]
     big = plan_buckets((meta_of(n, t) for n, t in _weights()), bucket_bytes=1 << 20)
     assert [[m.name for m in b.tensors] for b in big.buckets] == [
-        ["a.weight", "a.bias"], ["b.weight"], ["c.weight"],
+        ["a.weight", "a.bias"],
+        ["b.weight"],
+        ["c.weight"],
     ]
-    assert plan.num_bytes == big.num_bytes == sum(t.numel() * t.element_size() for _, t in _weights())
+    assert (
+        plan.num_bytes == big.num_bytes == sum(t.numel() * t.element_size() for _, t in _weights())
+    )
 
 
 def _receiver(port: int, plan: object, out: mp.Queue) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Iterable
 
 from miles.core.components import ComponentSpec, Kind
@@ -21,7 +22,8 @@ def miles_register_metric_sinks() -> Iterable[ComponentSpec]:
 
 @hookimpl(trylast=True)
 def miles_resolve_component(kind: Kind, name: str) -> ComponentSpec | None:
-    """``package.module:attr`` names one-off code: a ComponentSpec, or a factory of that kind."""
+    """``package.module:attr`` names one-off code: a ComponentSpec, a class (built with no
+    arguments), or a function, which is the component itself (e.g. an async reward function)."""
     if ":" not in name:
         return None
     module_name, _, attr = name.partition(":")
@@ -36,4 +38,5 @@ def miles_resolve_component(kind: Kind, name: str) -> ComponentSpec | None:
     if not callable(obj):
         raise LookupError(f"{name!r} is neither a ComponentSpec nor callable")
     summary = (obj.__doc__ or "").strip().splitlines()[0] if obj.__doc__ else name
-    return ComponentSpec(kind, attr, obj, summary)
+    factory = obj if inspect.isclass(obj) else (lambda: obj)
+    return ComponentSpec(kind, attr, factory, summary)

@@ -38,15 +38,18 @@ class JsonlSpanExporter(SpanExporter):
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
+        self._file = path.open("a", encoding="utf-8")  # O_APPEND: whole lines, any process
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lines = "".join(json.dumps(span_to_dict(s)) + "\n" for s in spans)
-        with self._lock, self.path.open("a", encoding="utf-8") as f:
-            f.write(lines)
+        with self._lock:
+            self._file.write(lines)
+            self._file.flush()
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
-        pass
+        with self._lock:
+            self._file.close()
 
 
 def span_to_dict(span: ReadableSpan) -> dict[str, Any]:

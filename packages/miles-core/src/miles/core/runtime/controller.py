@@ -134,9 +134,10 @@ class Controller:
         """Engines must hold exactly the trainer's weights, at the current version."""
         import ray
 
-        expected = self._train_all("checksum")
-        engines = ray.get(self.manager.checksums.remote())
-        versions = ray.get(self.manager.weight_versions.remote())
+        trainer_refs = [t.checksum.remote() for t in self.trainers]  # collective over ranks
+        engine_refs = [self.manager.checksums.remote(), self.manager.weight_versions.remote()]
+        expected, engines, versions = ray.get([trainer_refs[0], *engine_refs])
+        ray.get(trainer_refs[1:])
         bad = [i for i, c in enumerate(engines) if c != expected]
         if bad or any(v != self.version for v in versions):
             raise WeightSyncError(

@@ -66,9 +66,9 @@ class Placement:
         n_train, n_engines = config.train.world_size, config.rollout.engines
         train_bundle = {"CPU": 1, **({"GPU": 1} if gpus else {})}
         engine_bundle = {"CPU": 1, **({"GPU": config.rollout.gpus_per_engine} if gpus else {})}
-        group = placement_group(
-            [train_bundle] * n_train + [engine_bundle] * n_engines, strategy="PACK"
-        )
+        bundles = [train_bundle] * n_train + [engine_bundle] * n_engines
+        _check_capacity(bundles)
+        group = placement_group(bundles, strategy="PACK")
         ray.get(group.ready(), timeout=300)
 
         def at(index: int, bundle: dict[str, int]) -> dict[str, Any]:
@@ -123,6 +123,21 @@ class Placement:
         ray.get([e.health.remote() for e in engines] + [manager.get_state.remote()])
         ray.get([t.flush.remote() for t in trainers])
         return cls(trainers=trainers, manager=manager, engines=engines, group=group)
+
+
+def _check_capacity(bundles: list[dict[str, int]]) -> None:
+    """Fails at once, not after a placement time-out, when the cluster is too small."""
+    import ray
+
+    have = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    for resource in ("CPU", "GPU"):
+        need = sum(b.get(resource, 0) for b in bundles)
+        if need > have.get(resource, 0):
+            raise RuntimeError(
+                f"this run needs {need} {resource}s (train.world_size + rollout.engines x "
+                f"rollout.gpus_per_engine), but the Ray cluster has {have.get(resource, 0):g}; "
+                "lower train.world_size or rollout.engines, or add nodes"
+            )
 
 
 def rollout_dtype(config: RunConfig) -> str:

@@ -85,34 +85,39 @@ class RolloutManager:
 
     # ── prompts ──────────────────────────────────────────────────────────────────────────────────
 
-    def _prompt_ids(self, row: dict[str, Any]) -> list[int]:
-        key = self.config.data.prompt_key
-        if key not in row:
-            raise KeyError(
-                f"data row has no {key!r} field (fields: {sorted(row)}); set data.prompt_key"
+    def _prompt_ids(self, rows: list[dict[str, Any]], key: str) -> list[list[int]]:
+        """Token ids of each row's prompt, tokenized once here (in one batched call)."""
+        for row in rows:
+            if key not in row:
+                raise KeyError(
+                    f"data row has no {key!r} field (fields: {sorted(row)}); set data.prompt_key"
+                )
+        texts: Any = [str(row[key]) for row in rows]
+        if self.config.data.chat_template:
+            system = self.config.data.system_prompt
+            chats = [
+                [
+                    *([{"role": "system", "content": system}] if system else []),
+                    {"role": "user", "content": text},
+                ]
+                for text in texts
+            ]
+            texts = self.tokenizer.apply_chat_template(
+                chats, add_generation_prompt=True, tokenize=False
             )
-        text = row[key]
-        if not self.config.data.chat_template:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        messages = [{"role": "user", "content": text}]
-        if self.config.data.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.config.data.system_prompt})
-        ids: Any = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a dict
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        # The rendered template already holds every special token it wants.
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def _groups_for(self, rows: list[dict[str, Any]], n: int) -> list[PromptGroup]:
+        prompts = self._prompt_ids(rows, self.config.data.prompt_key)
         return [
             PromptGroup(
                 group_id=self._take_ids(1, "group")[0],
-                prompt_ids=self._prompt_ids(row),
+                prompt_ids=ids,
                 row=row,
                 sample_ids=self._take_ids(n, "sample"),
             )
-            for row in rows
+            for row, ids in zip(rows, prompts, strict=True)
         ]
 
     def _take_ids(self, n: int, kind: str) -> list[int]:
@@ -197,13 +202,16 @@ class RolloutManager:
         if self._sft_source is None:
             assert ws.data is not None
             self._sft_source = PromptSource(read_rows(ws.data), seed=self.config.seed)
-        samples = []
-        for row in self._sft_source.next(batch_size):
-            response = list(self.tokenizer.encode(row[ws.response_key], add_special_tokens=False))
-            if self.tokenizer.eos_token_id is not None:
-                response.append(int(self.tokenizer.eos_token_id))
-            prompt = self._prompt_ids({self.config.data.prompt_key: row[ws.prompt_key]})
-            samples.append(Sample(prompt_ids=prompt, response_ids=response))
+        rows = self._sft_source.next(batch_size)
+        prompts = self._prompt_ids(rows, ws.prompt_key)
+        responses = self.tokenizer(
+            [str(r[ws.response_key]) for r in rows], add_special_tokens=False
+        )["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        samples = [
+            Sample(prompt_ids=p, response_ids=[*r, *([int(eos)] if eos is not None else [])])
+            for p, r in zip(prompts, responses, strict=True)
+        ]
         return PackedBatch.from_samples(samples)
 
     # ── weights ──────────────────────────────────────────────────────────────────────────────────

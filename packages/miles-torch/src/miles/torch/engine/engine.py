@@ -1,0 +1,252 @@
+"""`TorchRolloutEngine`: a plain PyTorch + transformers rollout engine with continuous batching.
+
+Each step either prefills newly admitted prompts (left-padded, one forward) or runs one decode
+step over every row. A row's result is yielded as soon as it finishes; finished rows are dropped
+in bulk and their slots go to waiting prompts, so long generations do not hold short ones back.
+Sampling and logprobs live in `sampler`, the cache bookkeeping in `batch`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from miles.core.checksum import tensors_checksum
+from miles.core.types import GenerateRequest, GenerateResult
+from miles.torch.engine.batch import Batch, Row
+from miles.torch.engine.loader import (
+    cache_kwarg,
+    copy_weights,
+    eos_token_ids,
+    load_model,
+    resolve_dtype,
+)
+from miles.torch.engine.sampler import SamplingTensors, sample
+from miles.torch.weights import named_state
+
+
+class TorchRolloutEngine:
+    """A `miles.core.protocols.RolloutEngine` running a Hugging Face causal LM in-process.
+
+    Pausing: `pause()` makes a running `generate` stop at its next step and yield every unfinished
+    request (queued ones included) with finish_reason "abort" and the tokens made so far; a new
+    `generate` while paused raises RuntimeError. `load_weights` and `release_memory` wait for the
+    step in progress, so they are safe to call from another thread after `pause()`.
+
+    `release_memory` moves the weights to CPU and empties the CUDA cache; on a CPU engine there
+    is nothing to free and it only marks the engine released. `generate` refuses while released.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_size: int = 64,
+        seed: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model_path = model_path
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.model, self._tokenizer = load_model(model_path, self.device, resolve_dtype(dtype))
+        self._eos_ids = eos_token_ids(self.model, self._tokenizer)
+        self._cache_kwarg = cache_kwarg(self.model)
+        self._pad_id = self._tokenizer.pad_token_id or 0
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._weight_version = 0
+        self._paused = False
+        self._released = False
+        self._lock = threading.Lock()  # one model step, weight load or offload at a time
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def generate(self, requests: list[GenerateRequest]) -> Iterator[GenerateResult]:
+        """Stream one result per request as it finishes; argument checks run now, not lazily."""
+        if self._paused:
+            raise RuntimeError("engine is paused: call resume() before generate()")
+        if self._released:
+            raise RuntimeError("engine memory is released: call resume_memory() before generate()")
+        for r in requests:
+            if not r.prompt_ids:
+                raise ValueError(f"request {r.request_id}: empty prompt")
+            if r.sampling.max_new_tokens < 0:
+                raise ValueError(f"request {r.request_id}: max_new_tokens must be >= 0")
+        return self._run(list(requests))
+
+    def _run(self, requests: list[GenerateRequest]) -> Iterator[GenerateResult]:
+        pending = deque(r for r in requests if r.sampling.max_new_tokens > 0)
+        yield from (
+            self._result(Row(r), "length") for r in requests if not r.sampling.max_new_tokens
+        )
+        batch: Batch | None = None
+        while pending or batch:
+            if self._paused or self._released:
+                rows = [row for row in (batch.rows if batch else []) if not row.done]
+                rows += [Row(r) for r in pending]
+                yield from (self._result(row, "abort") for row in rows)
+                return
+            # Yield outside the lock and inference mode: the consumer runs while we are suspended.
+            with self._lock, torch.inference_mode():
+                batch, finished = self._step(batch, pending)
+            yield from finished
+
+    def _step(
+        self, batch: Batch | None, pending: deque[GenerateRequest]
+    ) -> tuple[Batch | None, list[GenerateResult]]:
+        """Prefill newly admitted prompts if there is room, else decode one token for every row."""
+        free = self.max_batch_size - (len(batch) if batch else 0)
+        if pending and free > 0:
+            step, logits = self._prefill(
+                [pending.popleft() for _ in range(min(free, len(pending)))]
+            )
+        else:
+            step, logits = batch, self._decode(batch)
+        step.last_tokens, logprobs = sample(logits, step.params, self._generator)
+        finished = []
+        for row, token, logprob in zip(
+            step.rows, step.last_tokens.tolist(), logprobs.tolist(), strict=True
+        ):
+            if row.done:
+                continue
+            row.response.append(token)
+            row.logprobs.append(logprob)
+            reason = self._finish_reason(row)
+            if reason is not None:
+                row.done = True
+                finished.append(self._result(row, reason))
+        # Dropping rows copies the whole KV cache, so finished rows ride along (their tokens
+        # ignored) until a quarter of the batch is done; then one copy drops them all and the
+        # freed slots are refilled in one prefill. A fresh prefill batch is small: compact now.
+        if step is not batch or 4 * step.num_done >= len(step):
+            step.compact()
+        if step is not batch and len(step):
+            if batch is None:
+                batch = step
+            else:
+                batch.merge(step)
+        return (batch if batch is not None and len(batch) else None), finished
+
+    def _prefill(self, requests: list[GenerateRequest]) -> tuple[Batch, torch.Tensor]:
+        """Run the prompts through the model as one left-padded batch; last-position logits."""
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((len(requests), width), self._pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(requests), width), dtype=torch.int64)
+        for i, r in enumerate(requests):
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        # Real tokens get positions 0..n-1 whatever their padding; pads get 0 (they are masked).
+        position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        batch = Batch(
+            rows=[Row(r) for r in requests],
+            cache=cache,
+            mask=mask,
+            positions=mask.sum(dim=1),
+            last_tokens=ids[:, -1],
+            params=SamplingTensors.from_params([r.sampling for r in requests], self.device),
+        )
+        return batch, out.logits[:, -1]
+
+    def _decode(self, batch: Batch) -> torch.Tensor:
+        """Feed each row its last sampled token; next-token logits [rows, vocab]."""
+        ones = torch.ones((len(batch), 1), dtype=batch.mask.dtype, device=self.device)
+        batch.mask = torch.cat([batch.mask, ones], dim=1)
+        out = self.model(
+            input_ids=batch.last_tokens.unsqueeze(1),
+            attention_mask=batch.mask,
+            position_ids=batch.positions.unsqueeze(1),
+            use_cache=True,
+            **{self._cache_kwarg: batch.cache},
+        )
+        batch.positions = batch.positions + 1
+        return out.logits[:, -1]
+
+    def _finish_reason(self, row: Row) -> str | None:
+        sampling = row.request.sampling
+        token = row.response[-1]
+        if token in self._eos_ids or token in sampling.stop_token_ids:
+            return "stop"
+        if sampling.stop_strings and self._hits_stop_string(row.response, sampling.stop_strings):
+            return "stop"
+        if len(row.response) >= sampling.max_new_tokens:
+            return "length"
+        return None
+
+    def _hits_stop_string(self, response: list[int], stop_strings: tuple[str, ...]) -> bool:
+        # A new match must end in the newest token. Every token decodes to at least one byte, so a
+        # match of n bytes lies within the last n + 1 tokens (+1 for a token it starts inside).
+        window = max(len(s.encode()) for s in stop_strings) + 2
+        tail = self._tokenizer.decode(response[-window:])
+        return any(s in tail for s in stop_strings)
+
+    def _result(self, row: Row, reason: str) -> GenerateResult:
+        return GenerateResult(
+            request_id=row.request.request_id,
+            response_ids=row.response,
+            logprobs=row.logprobs,
+            finish_reason=reason,
+            weight_version=self._weight_version,
+        )
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy Hugging Face-named tensors into the model (see `loader.copy_weights`), then set
+        the version; on a ValueError the version stays as it was."""
+        with self._lock:
+            copy_weights(self.model, named_tensors)
+            self._weight_version = version
+
+    def weights_checksum(self) -> str:
+        with self._lock:
+            return tensors_checksum(named_state(self.model))
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def release_memory(self) -> None:
+        with self._lock:
+            if self.device.type == "cuda" and not self._released:
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+            self._released = True
+
+    def resume_memory(self) -> None:
+        with self._lock:
+            if self.device.type == "cuda" and self._released:
+                self.model.to(self.device)
+            self._released = False
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "device": str(self.device),
+            "weight_version": self._weight_version,
+            "model": self.model_path,
+            "paused": self._paused,
+            "released": self._released,
+        }

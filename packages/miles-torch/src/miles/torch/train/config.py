@@ -1,0 +1,59 @@
+"""The typed config section of the FSDP2 train backend. No torch import: listing stays cheap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class FSDPConfig:
+    # AdamW. Master weights and optimizer state are always fp32.
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = (
+        1.0  # max global grad norm; <= 0 turns clipping off (the norm is still reported)
+    )
+    # Linear warmup over `warmup_steps`, then the schedule down to `min_lr_ratio * lr` at
+    # `total_steps` (linear and cosine need it; constant ignores it).
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0
+    min_lr_ratio: float = 0.0
+    # Real (unpadded) tokens per forward pass; bounds activation and logits memory.
+    micro_batch_tokens: int = 8192
+    # Compute dtype of forward and backward; "bfloat16" is FSDP2 mixed precision (fp32 grad reduce).
+    dtype: str = "float32"
+    # Keep a frozen copy of the initial weights, so `logprobs` also returns "ref_logprobs" (for KL).
+    ref_model: bool = False
+    # Logprobs are those of log_softmax(logits / temperature): must match the rollout's sampling.
+    temperature: float = 1.0
+    attn_implementation: str = "sdpa"
+    # Recompute each decoder layer in backward instead of storing its activations.
+    activation_checkpointing: bool = False
+    # Free each layer's gathered weights after its forward (less memory, one more all-gather).
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.lr_schedule != "constant" and self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"lr_schedule {self.lr_schedule!r} needs total_steps > warmup_steps, "
+                f"got total_steps={self.total_steps}, warmup_steps={self.warmup_steps}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.micro_batch_tokens <= 0:
+            raise ValueError(f"micro_batch_tokens must be positive, got {self.micro_batch_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError("warmup_steps must be >= 0 and min_lr_ratio in [0, 1]")
+        if len(self.betas) != 2:
+            raise ValueError(f"betas must be two numbers, got {self.betas!r}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))  # YAML gives a list

@@ -1,0 +1,23 @@
+"""miles-torch test set-up: tests never reach a model hub; every model is made at test time."""
+
+import functools
+import os
+from collections.abc import Callable
+
+import pytest
+
+# Set before transformers is first imported, so no test can fall back to a download.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """`tiny_model(arch="qwen3", seed=0)`: the path of a tiny random checkpoint, made once."""
+    from miles.torch.testing import make_tiny_model
+
+    @functools.cache
+    def make(arch: str = "qwen3", seed: int = 0) -> str:
+        return make_tiny_model(tmp_path_factory.mktemp(f"{arch}_{seed}"), arch=arch, seed=seed)
+
+    return make

@@ -1,0 +1,158 @@
+"""TorchRolloutEngine: logprobs match a plain transformers forward; batching, pause, lifecycle."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles.core.protocols import RolloutEngine
+from miles.core.types import GenerateRequest, GenerateResult, SamplingParams
+from miles.torch.engine import TorchRolloutEngine
+
+torch.set_num_threads(1)
+
+PROMPT_LENS = [5, 17, 9, 2, 30, 11, 1, 23]
+
+
+def make_requests(sampling: SamplingParams, lens=PROMPT_LENS, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        GenerateRequest(i, torch.randint(3, 128, (n,), generator=g).tolist(), sampling)
+        for i, n in enumerate(lens)
+    ]
+
+
+def by_id(results) -> dict[int, GenerateResult]:
+    return {r.request_id: r for r in results}
+
+
+def reference_logprobs(model, prompt: list[int], response: list[int], temperature: float):
+    """log_softmax(logits / T) at each response position: one unpadded, uncached forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_match_transformers_forward(tiny_model, arch, temperature):
+    path = tiny_model(arch)
+    # max_batch_size 3 < 8 requests: rows finish, leave, and new prompts are merged in.
+    engine = TorchRolloutEngine(path, max_batch_size=3)
+    sampling = SamplingParams(temperature=temperature, top_p=0.9, max_new_tokens=12)
+    requests = make_requests(sampling)
+    results = by_id(engine.generate(requests))
+    assert sorted(results) == [r.request_id for r in requests]
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    for req in requests:
+        res = results[req.request_id]
+        assert len(res.response_ids) == len(res.logprobs) > 0
+        ref = reference_logprobs(model, req.prompt_ids, res.response_ids, temperature or 1.0)
+        chosen = ref.gather(1, torch.tensor(res.response_ids).unsqueeze(1)).squeeze(1)
+        torch.testing.assert_close(torch.tensor(res.logprobs), chosen, rtol=0, atol=1e-4)
+        if temperature == 0:
+            assert res.response_ids == ref.argmax(dim=-1).tolist()
+
+
+def test_batch_size_does_not_change_greedy_results(tiny_model):
+    requests = make_requests(SamplingParams(temperature=0.0, max_new_tokens=10))
+    outputs = []
+    for max_batch_size in (1, 3, 64):
+        engine = TorchRolloutEngine(tiny_model("qwen3"), max_batch_size=max_batch_size)
+        outputs.append(by_id(engine.generate(requests)))
+    for req in requests:
+        ids = [out[req.request_id].response_ids for out in outputs]
+        assert ids[0] == ids[1] == ids[2]
+        lps = [torch.tensor(out[req.request_id].logprobs) for out in outputs]
+        torch.testing.assert_close(lps[0], lps[2], rtol=0, atol=1e-5)
+
+
+def test_results_stream_in_finishing_order(tiny_model):
+    engine = TorchRolloutEngine(tiny_model("qwen3"))
+    budgets = [9, 1, 5, 3]
+    requests = [
+        GenerateRequest(i, [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=n))
+        for i, n in enumerate(budgets)
+    ]
+    stream = engine.generate(requests)
+    assert next(stream).request_id == 1  # the one-token request is yielded before the rest run
+    rest = list(stream)
+    # Rows that stop early on eos could come sooner; none can come later than its budget.
+    assert {r.request_id for r in rest} == {0, 2, 3}
+    for r in rest:
+        assert len(r.response_ids) <= budgets[r.request_id]
+
+
+def test_protocol_and_lifecycle(tiny_model):
+    path = tiny_model("qwen3")
+    engine = TorchRolloutEngine(path, seed=1)
+    assert isinstance(engine, RolloutEngine)
+    assert engine.tokenizer.decode(engine.tokenizer.encode("hi!")) == "hi!"
+    health = engine.health()
+    assert health["ok"] is True
+    assert health["device"] == "cpu" and health["model"] == path
+    assert health["weight_version"] == engine.weight_version == 0
+
+    # On CPU release_memory frees nothing, but the engine refuses work until resume_memory.
+    engine.release_memory()
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        engine.generate(make_requests(SamplingParams(max_new_tokens=2)))
+    engine.resume_memory()
+    assert len(list(engine.generate(make_requests(SamplingParams(max_new_tokens=2))))) == 8
+
+
+def test_bad_requests_fail_at_call_time(tiny_model):
+    engine = TorchRolloutEngine(tiny_model("qwen3"))
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([GenerateRequest(7, [], SamplingParams())])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate([GenerateRequest(7, [1], SamplingParams(max_new_tokens=-1))])
+    with pytest.raises(ValueError, match="dtype"):
+        TorchRolloutEngine(tiny_model("qwen3"), dtype="float8")
+    zero = list(engine.generate([GenerateRequest(7, [4, 5], SamplingParams(max_new_tokens=0))]))
+    assert [(r.response_ids, r.finish_reason) for r in zero] == [([], "length")]
+
+
+def test_pause_aborts_running_and_queued_requests(tiny_model):
+    engine = TorchRolloutEngine(tiny_model("qwen3"), max_batch_size=2)
+    requests = [
+        GenerateRequest(i, [5, 6, 7 + i], SamplingParams(temperature=0.0, max_new_tokens=n))
+        for i, n in enumerate([1, 8, 8, 8])
+    ]
+    stream = engine.generate(requests)
+    first = next(stream)
+    assert (first.request_id, first.finish_reason) == (0, "length")
+    engine.pause()
+    rest = by_id(stream)
+    assert sorted(rest) == [1, 2, 3]
+    assert all(r.finish_reason == "abort" for r in rest.values())
+    assert len(rest[1].response_ids) == len(rest[1].logprobs) == 1  # prefilled with request 0
+    assert rest[2].response_ids == rest[3].response_ids == []  # never admitted
+
+    with pytest.raises(RuntimeError, match="paused"):
+        engine.generate(requests)
+    engine.resume()
+    assert {r.finish_reason for r in engine.generate(requests)} <= {"stop", "length"}
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_and_releases_memory(tiny_model):
+    path = tiny_model("qwen3")
+    requests = make_requests(SamplingParams(temperature=0.0, max_new_tokens=8))
+    cpu = by_id(TorchRolloutEngine(path).generate(requests))
+    engine = TorchRolloutEngine(path, device="cuda")
+    gpu = by_id(engine.generate(requests))
+    for req in requests:
+        torch.testing.assert_close(
+            torch.tensor(gpu[req.request_id].logprobs),
+            torch.tensor(cpu[req.request_id].logprobs),
+            rtol=0,
+            atol=1e-3,
+        )
+    checksum = engine.weights_checksum()
+    engine.release_memory()
+    assert next(engine.model.parameters()).device.type == "cpu"
+    engine.resume_memory()
+    assert next(engine.model.parameters()).device.type == "cuda"
+    assert engine.weights_checksum() == checksum
+    assert len(list(engine.generate(requests))) == len(requests)

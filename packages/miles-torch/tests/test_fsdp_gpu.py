@@ -1,0 +1,119 @@
+"""The FSDP2 trainer on one CUDA GPU (nccl): bf16 mixed precision, and sleep/wake."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles.core.protocols import LossInputs
+from miles.core.types import PackedBatch, Sample
+from miles.torch.testing import make_tiny_model
+from miles.torch.train.config import FSDPConfig
+from miles.torch.train.fsdp import FSDPTrainer
+
+pytestmark = pytest.mark.gpu
+VOCAB = 512
+
+
+def sft(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return -inputs.logprobs, {}
+
+
+def make_batch() -> PackedBatch:
+    rng = np.random.default_rng(0)
+    shapes = [(16, 48), (40, 8), (5, 120), (30, 30)]
+    samples = [
+        Sample(
+            prompt_ids=rng.integers(0, VOCAB, p).tolist(),
+            response_ids=rng.integers(0, VOCAB, r).tolist(),
+        )
+        for p, r in shapes
+    ]
+    return PackedBatch.from_samples(samples)
+
+
+@pytest.fixture
+def trainers(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = make_tiny_model(
+        tmp_path / "tiny", vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4
+    )
+    made: list[FSDPTrainer] = []
+
+    def make(**cfg) -> FSDPTrainer:
+        trainer = FSDPTrainer(
+            FSDPConfig(micro_batch_tokens=128, **cfg),
+            path,
+            rank=0,
+            world_size=1,
+            master_addr="127.0.0.1",
+            master_port=port,
+            device="cuda",
+        )
+        made.append(trainer)
+        return trainer
+
+    yield path, make
+    for trainer in reversed(made):
+        trainer.close()
+
+
+def test_bf16_logprobs_and_learning(trainers):
+    path, make = trainers
+    batch = make_batch()
+    fp32, bf16 = make(lr=1e-3), make(lr=1e-3, dtype="bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    want = np.zeros(len(batch.tokens), dtype=np.float32)
+    for i in range(len(batch)):
+        lo, hi = batch.offsets[i], batch.offsets[i + 1]
+        ids = torch.from_numpy(batch.tokens[lo:hi]).cuda()[None]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(input_ids=ids).logits[0].float(), -1)
+        want[lo + 1 : hi] = logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).cpu().numpy()
+    np.testing.assert_allclose(fp32.logprobs(batch)["logprobs"], want, atol=1e-4, rtol=0)
+    got = bf16.logprobs(batch)["logprobs"]
+    assert np.abs(got - want).max() < 0.25 and np.abs(got - want).mean() < 0.03
+    losses = [bf16.train_step(batch, sft)["train/loss"] for _ in range(5)]
+    assert losses[-1] < losses[0] - 0.1
+    _, tensor = next(iter(bf16.named_weights()))
+    assert tensor.is_cuda and tensor.dtype == torch.float32  # fp32 master weights
+
+
+def gpu_state(trainer: FSDPTrainer) -> list[torch.Tensor]:
+    """The local shards of weights, reference weights and Adam moments."""
+    params = [*trainer.model.parameters(), *trainer.ref_model.parameters()]
+    moments = [v for st in trainer.optimizer.state.values() for k, v in st.items() if k != "step"]
+    return [t.to_local() for t in params + moments]
+
+
+def test_sleep_frees_the_gpu_and_wake_resumes_exactly(trainers):
+    _, make = trainers
+    batch = make_batch()
+    sleeper, control = make(lr=1e-3, ref_model=True), make(lr=1e-3, ref_model=True)
+    for trainer in (sleeper, control):
+        trainer.train_step(batch, sft)  # creates the optimizer state
+    resident = sum(t.numel() * t.element_size() for t in gpu_state(sleeper))
+    torch.cuda.synchronize()
+    awake = torch.cuda.memory_allocated()
+    sleeper.sleep()
+    assert not any(t.is_cuda for t in gpu_state(sleeper))
+    assert awake - torch.cuda.memory_allocated() >= 0.95 * resident
+    sleeper.wake()
+    assert all(t.is_cuda for t in gpu_state(sleeper))
+    assert torch.cuda.memory_allocated() == pytest.approx(awake, rel=0.01)
+    # The optimizer still holds the model's own parameters (moved in place, not replaced).
+    assert all(
+        p is q
+        for p, q in zip(
+            sleeper.optimizer.param_groups[0]["params"], sleeper.model.parameters(), strict=True
+        )
+    )
+    assert sleeper.train_step(batch, sft) == control.train_step(batch, sft)
+    for (name, a), (_, b) in zip(sleeper.named_weights(), control.named_weights(), strict=True):
+        assert torch.equal(a, b), name
