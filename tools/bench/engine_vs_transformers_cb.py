@@ -5,7 +5,7 @@ each side's per-token logprobs equal log_softmax(logits / T) of a plain no-cache
 *unfiltered* vocabulary (what RL importance ratios need). Writes a markdown report.
 
     PYTHONPATH=packages/miles-core/src:packages/miles-torch/src \\
-        python tools/bench/engine_vs_transformers_cb.py --out docs/_engine_bench.md
+        python tools/bench/engine_vs_transformers_cb.py --out /tmp/engine_bench.md
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default="docs/_engine_bench.md")
+    parser.add_argument("--out", default="/tmp/engine_bench.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)

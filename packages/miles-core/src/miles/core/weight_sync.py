@@ -94,11 +94,13 @@ class SyncGroup:
 
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Inside a Ray GPU actor only its own GPUs are visible: the current one is ours.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)  # type: ignore[attr-defined]
         self._pg: Any
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
             self._pg = dist.ProcessGroupNCCL(
                 store, rank, world_size, dist.ProcessGroupNCCL.Options()
             )

@@ -17,14 +17,14 @@ class GRPOAdvantage:
     def __call__(
         self, rewards: npt.NDArray[np.float32], group_ids: npt.NDArray[np.int64]
     ) -> npt.NDArray[np.float32]:
-        out = np.zeros_like(rewards, dtype=np.float32)
-        for gid in np.unique(group_ids):
-            idx = group_ids == gid
-            r = rewards[idx].astype(np.float64)
-            adv = r - r.mean()
-            if self.config.normalize_std:
-                # Unbiased std, as in the GRPO paper and TRL.
-                std = r.std(ddof=1) if len(r) > 1 else 0.0
-                adv = adv / (std + self.config.eps)
-            out[idx] = adv
-        return out
+        _, group = np.unique(group_ids, return_inverse=True)
+        r = rewards.astype(np.float64)
+        count = np.bincount(group)
+        mean = np.bincount(group, weights=r) / count
+        adv = r - mean[group]
+        if self.config.normalize_std:
+            # Unbiased std, as in the GRPO paper and TRL; 0 for a group of one.
+            sq = np.bincount(group, weights=adv**2)
+            std = np.sqrt(sq / np.maximum(count - 1, 1)) * (count > 1)
+            adv = adv / (std[group] + self.config.eps)
+        return adv.astype(np.float32)

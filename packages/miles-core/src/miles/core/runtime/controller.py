@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import structlog
 
-from miles.core.algorithm import loss_weights, spread_advantages
 from miles.core.components import Kind
 from miles.core.config import RunConfig
 from miles.core.factory import build_component
@@ -27,7 +25,7 @@ from miles.core.plugins import get_plugin_manager
 from miles.core.rundir import atomic_checkpoint, list_checkpoints, prune_checkpoints
 from miles.core.runtime.placement import Placement, start_ray
 from miles.core.telemetry import carrier, span
-from miles.core.types import PackedBatch, RunInfo
+from miles.core.types import RunInfo
 
 log = structlog.get_logger(__name__)
 
@@ -60,9 +58,6 @@ class Controller:
             name=config.name,
             run_dir=str(run_dir),
             config=config.to_dict(),
-        )
-        self.advantage = build_component(
-            Kind.ADVANTAGE, config.algorithm.advantage, path="algorithm.advantage"
         )
         self.sinks = [
             build_component(Kind.METRIC_SINK, s, str(run_dir)) for s in config.telemetry.sinks
@@ -162,17 +157,6 @@ class Controller:
             if i == 0 or (i + 1) % 10 == 0 or i + 1 == ws.steps:
                 log.info("warm-start step", step=i + 1, loss=round(metrics["train/loss"], 4))
 
-    def train_on(self, batch: PackedBatch, step: int) -> dict[str, float]:
-        import ray
-
-        algo = self.config.algorithm
-        advantages = self.advantage(batch.rewards, batch.group_ids)
-        spread_advantages(batch, np.asarray(advantages, dtype=np.float32))
-        batch.loss_weights = loss_weights(batch, algo.aggregation, algo.seq_sum_normalizer)
-        metrics: dict[str, float] = self._train_all("train", ray.put(batch), step, carrier())
-        metrics["train/advantage_abs_mean"] = float(np.abs(advantages).mean())
-        return metrics
-
     def evaluate(self, step: int) -> dict[str, float]:
         import ray
 
@@ -271,16 +255,25 @@ class Controller:
 
         t0 = time.perf_counter()
         with span("miles.step", step=step, run_id=self.info.run_id):
-            batch, rollout_metrics = ray.get(self.manager.rollout.remote(step, carrier()))
-            metrics: dict[str, float] = dict(rollout_metrics)
-            metrics["perf/rollout_s"] = time.perf_counter() - t0
-            samples = batch.to_samples() if self._wants("miles_after_rollout") else []
-            self.plugins.call_lifecycle(
-                "miles_after_rollout", run=self.info, step=step, samples=samples, metrics=metrics
+            # The batch goes from the rollout manager to the train ranks through the object store;
+            # the controller only reads the small metrics dict.
+            batch_ref, metrics_ref = self.manager.rollout.options(num_returns=2).remote(
+                step, carrier()
             )
+            metrics: dict[str, float] = dict(ray.get(metrics_ref))
+            metrics["perf/rollout_s"] = time.perf_counter() - t0
+            if self._wants("miles_after_rollout"):
+                samples = ray.get(batch_ref).to_samples()
+                self.plugins.call_lifecycle(
+                    "miles_after_rollout",
+                    run=self.info,
+                    step=step,
+                    samples=samples,
+                    metrics=metrics,
+                )
             t1 = time.perf_counter()
-            if len(batch):
-                metrics.update(self.train_on(batch, step))
+            if metrics["rollout/kept_samples"]:
+                metrics.update(self._train_all("train", batch_ref, step, carrier()))
             metrics["perf/train_s"] = time.perf_counter() - t1
             self.plugins.call_lifecycle(
                 "miles_after_train_step", run=self.info, step=step, metrics=metrics
@@ -289,8 +282,7 @@ class Controller:
             if self.config.eval.every and (step + 1) % self.config.eval.every == 0:
                 metrics.update(self.evaluate(step))
         metrics["perf/step_s"] = time.perf_counter() - t0
-        tokens = float(batch.tokens.size)
-        metrics["perf/tokens_per_s"] = tokens / metrics["perf/step_s"]
+        metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / metrics["perf/step_s"]
         self._log_metrics(step, metrics)
         return metrics
 

@@ -19,9 +19,7 @@ log = structlog.get_logger(__name__)
 
 
 def use_gpus(config: RunConfig) -> bool:
-    device = str(config.train.options.get("device", "auto"))
-    if device != "auto":
-        return device.startswith("cuda")
+    """GPU bundles wherever the controller sees CUDA (the same image runs every node)."""
     import torch
 
     return bool(torch.cuda.is_available())

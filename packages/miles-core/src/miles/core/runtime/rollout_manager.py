@@ -264,5 +264,6 @@ def _rollout_metrics(flat: list[Sample], kept: list[Sample], seconds: float) -> 
         "rollout/samples": float(len(flat)),
         "rollout/kept_samples": float(len(kept)),
         "rollout/filtered_frac": 1.0 - len(kept) / len(flat) if flat else 0.0,
+        "rollout/tokens": float(tokens + sum(len(s.prompt_ids) for s in kept)),
         "rollout/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
     }

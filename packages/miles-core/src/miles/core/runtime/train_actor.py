@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from miles.core.algorithm import WithKL, loss_weights, masked_mean
+from miles.core.algorithm import WithKL, loss_weights, masked_mean, spread_advantages
 from miles.core.checksum import tensors_checksum
 from miles.core.components import Kind
 from miles.core.config import RunConfig
@@ -61,6 +61,7 @@ class TrainActor:
             seed=config.seed,
         )
         algo = config.algorithm
+        self.advantage = build_component(Kind.ADVANTAGE, algo.advantage, path="algorithm.advantage")
         self.loss = build_component(Kind.LOSS, algo.loss, path="algorithm.loss")
         if algo.kl.coef:
             estimator = build_component(Kind.KL, algo.kl.estimator, path="algorithm.kl.estimator")
@@ -72,8 +73,13 @@ class TrainActor:
     # ── training ─────────────────────────────────────────────────────────────────────────────────
 
     def train(self, batch: PackedBatch, step: int, trace: dict[str, str]) -> dict[str, float]:
-        """Recomputes old (and reference) logprobs, then one optimizer step with the RL loss."""
+        """Advantages and loss weights (every rank computes the same), old and reference
+        logprobs, then one optimizer step with the RL loss."""
         with attached(trace), span("miles.train_step", step=step, rank=self.rank):
+            algo = self.config.algorithm
+            advantages = np.asarray(self.advantage(batch.rewards, batch.group_ids), np.float32)
+            spread_advantages(batch, advantages)
+            batch.loss_weights = loss_weights(batch, algo.aggregation, algo.seq_sum_normalizer)
             with span("miles.logprobs", step=step, rank=self.rank):
                 out = self.backend.logprobs(batch)
             batch.old_logprobs = out["logprobs"].astype(np.float32)
@@ -81,6 +87,7 @@ class TrainActor:
             mask = batch.loss_mask
             diff = batch.old_logprobs - batch.rollout_logprobs
             metrics = {
+                "train/advantage_abs_mean": float(np.abs(advantages).mean()),
                 # Before the update: how far the trainer's view of the sampled tokens is from the
                 # engine's. 0 up to float error when both run the same weights and numerics.
                 "train/rollout_logprob_abs_diff": masked_mean(np.abs(diff), mask),
