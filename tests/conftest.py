@@ -26,12 +26,12 @@ TEST_MODULES = Path(__file__).parent / "_modules"
 
 
 def run_miles(
-    *args: str, cwd: Path | None = None, timeout: int = 600
+    *args: str, cwd: Path | None = None, timeout: int = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     TEST_MODULES.mkdir(exist_ok=True)
     (TEST_MODULES / "miles_test_rewards.py").write_text(REWARD_MODULE)
     pythonpath = os.pathsep.join(filter(None, [str(TEST_MODULES), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "CI": "1", "RAY_DEDUP_LOGS": "0", "PYTHONPATH": pythonpath}
+    env = {**os.environ, "CI": "1", "RAY_DEDUP_LOGS": "0", "PYTHONPATH": pythonpath, **(env or {})}
     return subprocess.run(
         [*MILES, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
     )

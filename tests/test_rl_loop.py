@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import read_jsonl, run_miles, write_config
+from .conftest import TEST_MODULES, read_jsonl, run_miles, write_config
 
 REQUIRED_METRICS = {
     "step",
@@ -131,3 +131,52 @@ def test_training_moves_the_policy(finished_run: Path) -> None:
     rows = read_jsonl(finished_run / "metrics.jsonl")
     assert all(r["train/grad_norm"] > 0 for r in rows)  # the reward gave a real signal
     assert any(r["rollout/reward_std"] > 0 for r in rows)
+
+
+def test_joins_an_existing_ray_cluster(tmp_path: Path, tiny_assets: dict[str, str]) -> None:
+    """--ray-address joins a running cluster instead of starting one."""
+    import os
+    import secrets
+    import shutil
+    import subprocess
+    import sys
+
+    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable))
+    assert ray_cli, "the ray CLI comes with ray"
+    # A cluster with its own token, as a shared cluster would have; both sides read it from env.
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    start = subprocess.run(
+        [
+            ray_cli,
+            "start",
+            "--head",
+            "--num-cpus=2",
+            "--port=0",
+            "--include-dashboard=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        # The cluster's workers must be able to import the run's code, as on a real cluster.
+        env={**os.environ, **auth, "PYTHONPATH": str(TEST_MODULES)},
+    )
+    assert start.returncode == 0, start.stderr
+    try:
+        address = next(
+            line.split("'")[1]
+            for line in (start.stdout + start.stderr).splitlines()
+            if "ray start --address=" in line
+        )
+        cfg = write_config(tmp_path / "cfg.yaml", tiny_assets, steps=1)
+        proc = run_miles(
+            "run", str(cfg), "--run-dir", str(tmp_path / "run"), "--ray-address", address, env=auth
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0]
+    finally:
+        subprocess.run(
+            [ray_cli, "stop", "--force"],
+            capture_output=True,
+            timeout=120,
+            env={**os.environ, **auth},
+        )

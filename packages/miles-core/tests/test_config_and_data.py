@@ -88,3 +88,14 @@ def test_loss_weights_sum_the_same_over_any_micro_batching(aggregation: str) -> 
         assert total == pytest.approx(one_shot, rel=1e-6)
     if aggregation == "token_mean":
         assert w.sum() == pytest.approx(1.0)
+
+
+def test_parquet_rows_through_hf_datasets(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from miles.core.data import read_rows
+
+    path = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), path)
+    assert read_rows(str(path)) == [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]

@@ -211,6 +211,21 @@ def parse(data: dict[str, Any]) -> RunConfig:
     return build(RunConfig, data)
 
 
+# Where the components a default config names come from: `pip install miles-core` alone is a
+# minimal install, and a run says what to add.
+_DEFAULT_PROVIDERS = {
+    Kind.ROLLOUT_BACKEND: "miles-torch",
+    Kind.TRAIN_BACKEND: "miles-torch",
+    Kind.ROLLOUT_FUNCTION: "miles-rewards",
+    Kind.REWARD: "miles-rewards",
+    Kind.FILTER: "miles-rewards",
+    Kind.ADVANTAGE: "miles-losses",
+    Kind.LOSS: "miles-losses",
+    Kind.KL: "miles-losses",
+    Kind.PRECISION: "miles-precision",
+}
+
+
 def validate(config: RunConfig, manager: Any) -> None:
     """Checks every component name and its options against the installed plugins."""
     problems: list[str] = []
@@ -226,7 +241,9 @@ def validate(config: RunConfig, manager: Any) -> None:
         try:
             spec = manager.get(kind, name).spec
         except LookupError as exc:
-            problems.append(f"{path}: {exc}")
+            provider = _DEFAULT_PROVIDERS.get(kind)
+            hint = f"; `pip install {provider}` provides the built-in ones" if provider else ""
+            problems.append(f"{path}: {exc}{hint}")
             return
         if spec.config is None:
             if options:
