@@ -22,6 +22,34 @@ async def vowel_fraction(response, sample):
     """Fraction of the response's characters that are vowels."""
     return sum(c in "aeiou" for c in response) / max(len(response), 1)
 '''
+# A third-party loss plugin, installed the way pip leaves one (module + .dist-info with its entry
+# point), to prove a loss from outside the project is usable by name.
+LOSS_PLUGIN = '''
+from dataclasses import dataclass
+
+from miles.core import ComponentSpec, Kind, hookimpl
+
+
+@dataclass
+class ScaledPGConfig:
+    scale: float = 1.0
+
+
+class ScaledPG:
+    """REINFORCE: -scale * A * logp per token."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def __call__(self, inputs):
+        return -self.config.scale * inputs.advantages * inputs.logprobs, {}
+
+
+@hookimpl
+def miles_register_losses():
+    return [ComponentSpec(Kind.LOSS, "scaled_pg", ScaledPG, "REINFORCE, scaled", ScaledPGConfig)]
+'''
+LOSS_PLUGIN_DIST = "miles_test_loss_plugin-0.1.0.dist-info"
 TEST_MODULES = Path(__file__).parent / "_modules"
 
 
@@ -30,6 +58,14 @@ def run_miles(
 ) -> subprocess.CompletedProcess[str]:
     TEST_MODULES.mkdir(exist_ok=True)
     (TEST_MODULES / "miles_test_rewards.py").write_text(REWARD_MODULE)
+    (TEST_MODULES / "miles_test_loss_plugin.py").write_text(LOSS_PLUGIN)
+    info = TEST_MODULES / LOSS_PLUGIN_DIST
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: miles-test-loss-plugin\nVersion: 0.1.0\n"
+        "Requires-Dist: miles-core>=0.1,<0.2\n"
+    )
+    (info / "entry_points.txt").write_text("[miles]\nloss = miles_test_loss_plugin\n")
     pythonpath = os.pathsep.join(filter(None, [str(TEST_MODULES), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "CI": "1", "RAY_DEDUP_LOGS": "0", "PYTHONPATH": pythonpath, **(env or {})}
     return subprocess.run(

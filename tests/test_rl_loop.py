@@ -23,6 +23,11 @@ REQUIRED_METRICS = {
     "perf/train_s",
     "perf/sync_s",
     "perf/tokens_per_s",
+    # train-inference mismatch, logged every step
+    "train/rollout_kl",
+    "train/is_ratio_mean",
+    "train/is_clipfrac",
+    "train/ess_ratio",
 }
 
 

@@ -35,12 +35,16 @@ def _inputs(logprobs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> Los
 def test_ppo_clip_matches_reference_formula() -> None:
     lp = torch.tensor([-1.0, -0.5, -2.0, -0.1])
     old = torch.tensor([-1.2, -0.5, -1.0, -0.9])
-    adv = torch.tensor([1.0, -1.0, 2.0, -0.5])
+    adv = torch.tensor([1.0, -1.0, -2.0, 0.5])
     loss, metrics = PPOClipLoss(PPOClipConfig(clip_low=0.2, clip_high=0.28))(_inputs(lp, old, adv))
     ratio = torch.exp(lp - old)
     expected = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28))
     torch.testing.assert_close(loss, expected)
+    # Clipped where the clipped branch wins: ratio below the floor with A < 0, above the ceiling
+    # with A > 0 (outside the bounds with the other sign, the unclipped branch is the minimum).
     assert metrics["train/clipfrac"].tolist() == [0.0, 0.0, 1.0, 1.0]
+    flipped = PPOClipLoss(PPOClipConfig(clip_low=0.2, clip_high=0.28))(_inputs(lp, old, -adv))
+    assert flipped[1]["train/clipfrac"].tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
 def test_kl_estimators() -> None:

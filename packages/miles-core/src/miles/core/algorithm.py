@@ -39,7 +39,9 @@ def loss_weights(
         return (mask / max(float(mask.sum()), 1.0)).astype(np.float32)
     seq = token_seq_index(batch)
     tokens_per_seq = np.bincount(seq, weights=mask, minlength=len(batch))
-    n_seqs = max(int((tokens_per_seq > 0).sum()), 1)
+    # Every sequence counts, also one with no trained token (all tool output, or masked by a
+    # correction): a constant denominator, as in Dr.GRPO and TRL.
+    n_seqs = max(len(batch), 1)
     if aggregation == "seq_mean_token_mean":
         per_token = 1.0 / np.maximum(tokens_per_seq[seq], 1.0)
         return (mask * per_token / n_seqs).astype(np.float32)
@@ -70,3 +72,43 @@ class WithKL:
             raise ValueError("a KL term needs reference logprobs from the train backend")
         kl = self.estimator(inputs.logprobs, inputs.ref_logprobs)
         return loss + self.coef * kl, {**metrics, "train/kl_ref": kl.detach()}
+
+
+class WithEntropyBonus:
+    """Subtracts ``coef * entropy`` per token: a bonus that keeps the policy exploring."""
+
+    def __init__(self, base: PolicyLoss, coef: float) -> None:
+        self.base, self.coef = base, coef
+
+    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, metrics = self.base(inputs)
+        return loss - self.coef * inputs.entropy, metrics
+
+
+def sequence_sums(values: npt.NDArray[Any], batch: PackedBatch) -> npt.NDArray[np.float64]:
+    """Per-sequence sums of a per-token array over the trained tokens."""
+    masked = np.asarray(values, np.float64) * batch.loss_mask
+    sums = np.bincount(token_seq_index(batch), weights=masked, minlength=len(batch))
+    return np.asarray(sums, dtype=np.float64)
+
+
+def mismatch_metrics(
+    trainer: npt.NDArray[Any], rollout: npt.NDArray[Any], mask: npt.NDArray[Any]
+) -> dict[str, float]:
+    """How far the engine's logprobs of the sampled tokens are from the trainer's, before the update.
+
+    ratio = pi_train / pi_rollout per token. ess_ratio = (sum w)^2 / (n * sum w^2) over trained
+    tokens: 1 when the two policies agree, falling towards 0 as the importance weights spread.
+    """
+    diff = np.asarray(trainer, np.float64) - rollout
+    ratio = np.exp(np.clip(diff, -20.0, 20.0))
+    keep = mask > 0
+    n = int(keep.sum())
+    w = ratio[keep]
+    return {
+        "train/rollout_logprob_abs_diff": masked_mean(np.abs(diff), mask),
+        # k3 estimate of KL(rollout || train), over the sampled (rollout) tokens.
+        "train/rollout_kl": masked_mean(np.exp(diff) - 1 - diff, mask),
+        "train/is_ratio_mean": float(w.mean()) if n else 1.0,
+        "train/ess_ratio": float(w.sum() ** 2 / (n * (w**2).sum())) if n else 1.0,
+    }

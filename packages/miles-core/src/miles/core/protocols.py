@@ -62,6 +62,11 @@ class LossInputs:
     entropy: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
     seq_index: torch.Tensor | None = None  # which sequence of the micro-batch each token belongs to
+    # For a value (critic) loss: the critic's current values (carry the gradient), its values when
+    # the data was scored, and the return targets (e.g. from GAE).
+    values: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
 
 class PolicyLoss(Protocol):

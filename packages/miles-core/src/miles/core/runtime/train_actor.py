@@ -9,8 +9,18 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+import torch
 
-from miles.core.algorithm import WithKL, loss_weights, masked_mean, spread_advantages
+from miles.core.algorithm import (
+    WithEntropyBonus,
+    WithKL,
+    loss_weights,
+    mismatch_metrics,
+    sequence_sums,
+    spread_advantages,
+    token_seq_index,
+)
 from miles.core.checksum import tensors_checksum
 from miles.core.components import Kind
 from miles.core.config import RunConfig
@@ -63,9 +73,18 @@ class TrainActor:
         algo = config.algorithm
         self.advantage = build_component(Kind.ADVANTAGE, algo.advantage, path="algorithm.advantage")
         self.loss = build_component(Kind.LOSS, algo.loss, path="algorithm.loss")
+        self.kl = None
         if algo.kl.coef:
-            estimator = build_component(Kind.KL, algo.kl.estimator, path="algorithm.kl.estimator")
-            self.loss = WithKL(self.loss, estimator, algo.kl.coef)
+            self.kl = build_component(Kind.KL, algo.kl.estimator, path="algorithm.kl.estimator")
+            if algo.kl.mode == "loss":
+                self.loss = WithKL(self.loss, self.kl, algo.kl.coef)
+        if algo.entropy_coef:
+            self.loss = WithEntropyBonus(self.loss, algo.entropy_coef)
+        self.correction = None
+        if algo.correction is not None:
+            self.correction = build_component(
+                Kind.CORRECTION, algo.correction, path="algorithm.correction"
+            )
         self.precision = build_component(Kind.PRECISION, config.precision, path="precision")
         self._sft_loss: Any = None
         self._sync: SyncGroup | None = None
@@ -77,24 +96,49 @@ class TrainActor:
         logprobs, then one optimizer step with the RL loss."""
         with attached(trace), span("miles.train_step", step=step, rank=self.rank):
             algo = self.config.algorithm
-            advantages = np.asarray(self.advantage(batch.rewards, batch.group_ids), np.float32)
-            spread_advantages(batch, advantages)
-            batch.loss_weights = loss_weights(batch, algo.aggregation, algo.seq_sum_normalizer)
             with span("miles.logprobs", step=step, rank=self.rank):
                 out = self.backend.logprobs(batch)
-            batch.old_logprobs = out["logprobs"].astype(np.float32)
+            trainer_lp = out["logprobs"].astype(np.float32)
             batch.ref_logprobs = out.get("ref_logprobs")
-            mask = batch.loss_mask
-            diff = batch.old_logprobs - batch.rollout_logprobs
-            metrics = {
-                "train/advantage_abs_mean": float(np.abs(advantages).mean()),
-                # Before the update: how far the trainer's view of the sampled tokens is from the
-                # engine's. 0 up to float error when both run the same weights and numerics.
-                "train/rollout_logprob_abs_diff": masked_mean(np.abs(diff), mask),
-                "train/rollout_kl": masked_mean(np.exp(-diff) - 1 + diff, mask),
-            }
+            # Before the update: how far the engine's view of the sampled tokens is from the
+            # trainer's. 0 up to float error when both run the same weights and numerics.
+            metrics = mismatch_metrics(trainer_lp, batch.rollout_logprobs, batch.loss_mask)
+            rewards = batch.rewards
+            if self.kl is not None and algo.kl.mode == "reward":
+                kl = self.kl(torch.from_numpy(trainer_lp), torch.from_numpy(batch.ref_logprobs))
+                penalty = algo.kl.coef * sequence_sums(kl.numpy(), batch)
+                rewards = (rewards - penalty).astype(np.float32)
+                metrics["train/kl_reward_penalty"] = float(penalty.mean())
+            advantages = np.asarray(self.advantage(rewards, batch.group_ids), np.float32)
+            spread_advantages(batch, advantages)
+            metrics["train/advantage_abs_mean"] = float(np.abs(advantages).mean())
+            is_weights = self._correct(batch, trainer_lp, metrics)
+            batch.loss_weights = loss_weights(batch, algo.aggregation, algo.seq_sum_normalizer)
+            if is_weights is not None:
+                batch.loss_weights = (batch.loss_weights * is_weights).astype(np.float32)
+            batch.old_logprobs = trainer_lp if algo.old_logprobs == "trainer" else None
+            if batch.old_logprobs is None:
+                batch.old_logprobs = batch.rollout_logprobs
             metrics.update(self.backend.train_step(batch, self.loss))
             return metrics
+
+    def _correct(
+        self, batch: PackedBatch, trainer_lp: npt.NDArray[np.float32], metrics: dict[str, float]
+    ) -> npt.NDArray[np.float32] | None:
+        """Applies the mismatch correction: tokens it drops leave the loss mask (and so the
+        aggregation's denominator); its importance weights scale each token's loss weight."""
+        if self.correction is None:
+            metrics["train/is_clipfrac"] = 0.0
+            return None
+        weights, keep, extra = self.correction(
+            torch.from_numpy(trainer_lp),
+            torch.from_numpy(batch.rollout_logprobs),
+            torch.from_numpy(batch.loss_mask),
+            torch.from_numpy(token_seq_index(batch)),
+        )
+        metrics.update({k: float(v) for k, v in extra.items()})
+        batch.loss_mask = (batch.loss_mask * keep.numpy()).astype(np.float32)
+        return np.asarray(weights.detach().numpy(), np.float32)
 
     def sft(self, batch: PackedBatch, step: int, trace: dict[str, str]) -> dict[str, float]:
         """One supervised step (the warm-start stage) with the `sft` loss, token mean."""
