@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
 
 from .conftest import read_jsonl, run_miles, write_config
 
@@ -41,3 +45,50 @@ def test_off_policy_modes_need_a_correction(tmp_path: Path, tiny_assets: dict[st
     assert "set algorithm.correction (tis, mis or icepop) or algorithm.old_logprobs: rollout" in (
         proc.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "expected_keys"),
+    [
+        (
+            {
+                "correction": {"name": "tis", "cap": 2.0},
+                "kl": {"coef": 0.01, "mode": "reward"},
+                "entropy_coef": 0.001,
+                "advantage": "rloo",
+            },
+            {"train/kl_reward_penalty", "train/is_clipfrac", "train/ess_ratio"},
+        ),
+        (
+            {
+                "old_logprobs": "rollout",
+                "kl": {"coef": 0.01, "estimator": "low_var_kl"},
+                "aggregation": "seq_mean_token_sum",
+                "seq_sum_normalizer": 6.0,
+                "loss": {"name": "gspo"},
+                "advantage": "reinforce_pp_baseline",
+            },
+            {"train/kl_ref", "train/clipfrac"},
+        ),
+        (
+            # PPO with a critic: GAE advantages, a value model trained with the clipped value loss.
+            {
+                "advantage": {"name": "gae", "gamma": 1.0, "lam": 0.95},
+                "kl": {"coef": 0.01, "mode": "reward"},
+                "value_loss": {"name": "value", "clip": 0.2},
+            },
+            {"critic/loss", "critic/grad_norm", "critic/values_mean", "critic/value_error"},
+        ),
+    ],
+)
+def test_algorithm_settings_run_end_to_end(
+    tmp_path: Path, tiny_assets: dict[str, str], algorithm: dict[str, Any], expected_keys: set[str]
+) -> None:
+    cfg = write_config(
+        tmp_path / "cfg.yaml", tiny_assets, algorithm=algorithm, checkpoint={"at_end": False}
+    )
+    proc = run_miles("run", str(cfg), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert expected_keys <= rows[0].keys(), expected_keys - rows[0].keys()
+    assert all(np.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 for r in rows)

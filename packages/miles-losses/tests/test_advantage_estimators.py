@@ -15,7 +15,7 @@ from miles.losses.advantages import (
     ReinforcePPAdvantage,
     RLOOAdvantage,
 )
-from miles.losses.configs import GAEConfig, GRPOConfig, ReinforcePPConfig, RLOOConfig
+from miles.losses.configs import GRPOConfig, ReinforcePPConfig, RLOOConfig
 from miles.losses.gae import compute_gae, terminal_rewards
 
 FAST = settings(max_examples=60, deadline=None)
@@ -171,8 +171,15 @@ def test_gae_component_needs_values() -> None:
     with pytest.raises(TypeError, match="value model"):
         gae(np.zeros(2, np.float32), np.zeros(2, np.int64))
     offsets, mask = np.array([0, 3]), np.ones(3, np.float32)
-    adv, _ = gae.token_advantages(np.array([0, 0, 1], np.float32), np.zeros(3), offsets, mask)
+    zeros = np.zeros(3, np.float32)
+    adv, _ = gae.token_advantages(np.array([1.0], np.float32), zeros, offsets, mask)
     np.testing.assert_allclose(adv, [0.9**2 * 0.95**2 * 1, 0.9 * 0.95, 1.0], rtol=1e-5)
+    # A per-token penalty (KL as reward) is subtracted from every trained token's reward.
+    penalty = np.array([0.1, 0.2, 0.3])
+    adv, ret = gae.token_advantages(np.array([1.0], np.float32), zeros, offsets, mask, penalty)
+    expected = compute_gae(np.array([-0.1, -0.2, 0.7], np.float32), zeros, offsets, mask, 0.9, 0.95)
+    np.testing.assert_allclose(adv, expected[0], rtol=1e-6)
+    np.testing.assert_allclose(ret, expected[1], rtol=1e-6)
     with pytest.raises(ConfigError, match="gamma"):
         build_component(Kind.ADVANTAGE, ComponentRef("gae", {"gamma": 1.5}))
 

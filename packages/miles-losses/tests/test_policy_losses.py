@@ -281,9 +281,16 @@ def test_value_loss_is_clipped_squared_error(rows: list[tuple[float, float, floa
     v = v.clone().requires_grad_(True)
     ones = torch.ones_like(ret)
     inputs = LossInputs(
-        logprobs=ones, old_logprobs=ones, rollout_logprobs=ones, advantages=ones,
-        loss_mask=ones, loss_weights=ones, entropy=ones,
-        values=v, old_values=v_old, returns=ret,
+        logprobs=ones,
+        old_logprobs=ones,
+        rollout_logprobs=ones,
+        advantages=ones,
+        loss_mask=ones,
+        loss_weights=ones,
+        entropy=ones,
+        values=v,
+        old_values=v_old,
+        returns=ret,
     )
     loss, metrics = ValueLoss(ValueConfig(clip=c))(inputs)
     loss.sum().backward()

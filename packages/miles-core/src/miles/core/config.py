@@ -102,6 +102,8 @@ class AlgorithmConfig:
     # Which logprobs the loss treats as the old policy: the trainer's recomputation ("trainer"), or
     # the engine's own ("rollout"), which makes the loss itself correct for the mismatch.
     old_logprobs: Literal["trainer", "rollout"] = "trainer"
+    # The critic's loss, used when the advantage estimator needs values (gae).
+    value_loss: ComponentRef = field(default_factory=lambda: ComponentRef("value"))
 
 
 @dataclass

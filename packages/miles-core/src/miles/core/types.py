@@ -97,8 +97,9 @@ class PackedBatch:
     hold 0 on prompt tokens.
 
     The optional per-token arrays are filled in by the train step's caller: `old_logprobs` and
-    `ref_logprobs` as recomputed by the trainer, and `loss_weights` (see `LossInputs`), which fold
-    the loss mask and the aggregation over the whole batch.
+    `ref_logprobs` as recomputed by the trainer, `loss_weights` (see `LossInputs`), which fold
+    the loss mask and the aggregation over the whole batch, and for a critic (PPO with GAE) the
+    critic's `values` when the data was scored and the `returns` it is trained towards.
     """
 
     tokens: npt.NDArray[np.int64]
@@ -113,6 +114,8 @@ class PackedBatch:
     old_logprobs: npt.NDArray[np.float32] | None = None
     ref_logprobs: npt.NDArray[np.float32] | None = None
     loss_weights: npt.NDArray[np.float32] | None = None
+    values: npt.NDArray[np.float32] | None = None
+    returns: npt.NDArray[np.float32] | None = None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -199,6 +202,8 @@ class PackedBatch:
             old_logprobs=None if self.old_logprobs is None else self.old_logprobs[token_idx],
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[token_idx],
             loss_weights=None if self.loss_weights is None else self.loss_weights[token_idx],
+            values=None if self.values is None else self.values[token_idx],
+            returns=None if self.returns is None else self.returns[token_idx],
         )
 
 

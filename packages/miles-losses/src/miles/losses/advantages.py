@@ -6,11 +6,13 @@ vectorised with `np.bincount` over groups; group ids need not be contiguous or s
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
 from miles.losses.configs import GAEConfig, GRPOConfig, ReinforcePPConfig, RLOOConfig
-from miles.losses.gae import compute_gae
+from miles.losses.gae import compute_gae, terminal_rewards
 
 Rewards = npt.NDArray[np.float32]
 GroupIds = npt.NDArray[np.int64]
@@ -29,7 +31,8 @@ def _whiten(x: npt.NDArray[np.float64], eps: float) -> npt.NDArray[np.float64]:
     """(x - mean) / (std + eps) over all of x, with the unbiased std (0 for one element)."""
     centred = x - x.mean()
     std = float(np.std(x, ddof=1)) if len(x) > 1 else 0.0
-    return centred / (std + eps)
+    out: npt.NDArray[np.float64] = centred / (std + eps)
+    return out
 
 
 class GRPOAdvantage:
@@ -88,9 +91,10 @@ class ReinforcePPAdvantage:
 class GAEAdvantage:
     """Generalised advantage estimation (PPO with a critic). Needs a value model.
 
-    Unlike the group estimators it works per token: `token_advantages` takes the critic's values
-    of the packed batch and returns per-token advantages and return targets (see `compute_gae`).
-    Called like the per-sample estimators, it raises: without values there is nothing to estimate.
+    Unlike the group estimators it works per token: `token_advantages` takes the sequences'
+    rewards and the critic's per-token values and returns per-token advantages and return targets
+    (see `compute_gae`). Called like the per-sample estimators, it raises: without values there is
+    nothing to estimate.
     """
 
     needs_values = True
@@ -106,11 +110,15 @@ class GAEAdvantage:
 
     def token_advantages(
         self,
-        token_rewards: npt.NDArray[np.float32],
+        rewards: Rewards,
         values: npt.NDArray[np.float32],
         offsets: npt.NDArray[np.int64],
         mask: npt.NDArray[np.float32],
+        token_penalty: npt.NDArray[np.floating[Any]] | None = None,
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        return compute_gae(
-            token_rewards, values, offsets, mask, self.config.gamma, self.config.lam
-        )
+        """Each sequence's reward lands on its last trained token; `token_penalty` (e.g. the KL
+        to the reference, times its coefficient) is subtracted from every token's reward."""
+        token_rewards = terminal_rewards(rewards, offsets, mask)
+        if token_penalty is not None:
+            token_rewards = (token_rewards - token_penalty * mask).astype(np.float32)
+        return compute_gae(token_rewards, values, offsets, mask, self.config.gamma, self.config.lam)

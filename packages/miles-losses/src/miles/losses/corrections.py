@@ -20,7 +20,6 @@ from typing import Protocol
 
 import torch
 
-from miles.core.protocols import LossInputs, PolicyLoss
 from miles.losses.configs import IcePopConfig, Level, MISConfig, TISConfig
 
 Metrics = dict[str, torch.Tensor]
@@ -147,22 +146,3 @@ class IcePop:
     ) -> CorrectionOutput:
         lr = log_ratios(old_logprobs, rollout_logprobs, loss_mask, seq_index, "token")
         return _masked_is(lr, self.config.low, self.config.high, loss_mask)
-
-
-class WithCorrection:
-    """A policy loss with a correction applied: per-token loss * weights * keep.
-
-    The correction's scalar metrics are spread over the tokens, so the trainer's loss-weighted
-    reduction averages them over micro-batches like the other metrics.
-    """
-
-    def __init__(self, base: PolicyLoss, correction: Correction) -> None:
-        self.base, self.correction = base, correction
-
-    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, Metrics]:
-        loss, metrics = self.base(inputs)
-        weights, keep, extra = self.correction(
-            inputs.old_logprobs, inputs.rollout_logprobs, inputs.loss_mask, inputs.seq_index
-        )
-        spread = {k: v.detach().expand_as(loss) for k, v in extra.items()}
-        return loss * weights * keep, {**metrics, **spread}

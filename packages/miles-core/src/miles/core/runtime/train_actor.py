@@ -37,9 +37,17 @@ def train_options(config: RunConfig) -> dict[str, Any]:
     # Train-side logprobs must use the rollout's sampling temperature (0 means greedy: use 1).
     options.setdefault("temperature", config.rollout.temperature or 1.0)
     options.setdefault("ref_model", config.algorithm.kl.coef > 0)
+    if _needs_values(config):
+        options.setdefault("critic", True)
     if options.get("lr_schedule", "constant") != "constant":
         options.setdefault("total_steps", config.steps + config.warmstart.steps)
     return options
+
+
+def _needs_values(config: RunConfig) -> bool:
+    """Whether the advantage estimator works from a critic's values (e.g. gae)."""
+    advantage = build_component(Kind.ADVANTAGE, config.algorithm.advantage)
+    return bool(getattr(advantage, "needs_values", False))
 
 
 class TrainActor:
@@ -80,6 +88,11 @@ class TrainActor:
                 self.loss = WithKL(self.loss, self.kl, algo.kl.coef)
         if algo.entropy_coef:
             self.loss = WithEntropyBonus(self.loss, algo.entropy_coef)
+        self.value_loss = None
+        if getattr(self.advantage, "needs_values", False):
+            self.value_loss = build_component(
+                Kind.LOSS, algo.value_loss, path="algorithm.value_loss"
+            )
         self.correction = None
         if algo.correction is not None:
             self.correction = build_component(
@@ -103,15 +116,22 @@ class TrainActor:
             # Before the update: how far the engine's view of the sampled tokens is from the
             # trainer's. 0 up to float error when both run the same weights and numerics.
             metrics = mismatch_metrics(trainer_lp, batch.rollout_logprobs, batch.loss_mask)
-            rewards = batch.rewards
+            token_penalty = None
             if self.kl is not None and algo.kl.mode == "reward":
                 kl = self.kl(torch.from_numpy(trainer_lp), torch.from_numpy(batch.ref_logprobs))
-                penalty = algo.kl.coef * sequence_sums(kl.numpy(), batch)
-                rewards = (rewards - penalty).astype(np.float32)
-                metrics["train/kl_reward_penalty"] = float(penalty.mean())
-            advantages = np.asarray(self.advantage(rewards, batch.group_ids), np.float32)
-            spread_advantages(batch, advantages)
-            metrics["train/advantage_abs_mean"] = float(np.abs(advantages).mean())
+                token_penalty = algo.kl.coef * kl.numpy() * batch.loss_mask
+                metrics["train/kl_reward_penalty"] = float(
+                    sequence_sums(token_penalty, batch).mean()
+                )
+            if self.value_loss is not None:
+                self._token_advantages(batch, token_penalty, step, metrics)
+            else:
+                rewards = batch.rewards
+                if token_penalty is not None:
+                    rewards = (rewards - sequence_sums(token_penalty, batch)).astype(np.float32)
+                advantages = np.asarray(self.advantage(rewards, batch.group_ids), np.float32)
+                spread_advantages(batch, advantages)
+                metrics["train/advantage_abs_mean"] = float(np.abs(advantages).mean())
             is_weights = self._correct(batch, trainer_lp, metrics)
             batch.loss_weights = loss_weights(batch, algo.aggregation, algo.seq_sum_normalizer)
             if is_weights is not None:
@@ -120,7 +140,27 @@ class TrainActor:
             if batch.old_logprobs is None:
                 batch.old_logprobs = batch.rollout_logprobs
             metrics.update(self.backend.train_step(batch, self.loss))
+            if self.value_loss is not None:
+                metrics.update(self.backend.train_value_step(batch, self.value_loss))
             return metrics
+
+    def _token_advantages(
+        self,
+        batch: PackedBatch,
+        token_penalty: npt.NDArray[np.float64] | None,
+        step: int,
+        metrics: dict[str, float],
+    ) -> None:
+        """PPO with a critic: per-token advantages and return targets from the critic's values."""
+        with span("miles.values", step=step, rank=self.rank):
+            values = np.asarray(self.backend.values(batch), np.float32)
+        advantages, returns = self.advantage.token_advantages(
+            batch.rewards, values, batch.offsets, batch.loss_mask, token_penalty
+        )
+        batch.advantages, batch.values, batch.returns = advantages, values, returns
+        trained = batch.loss_mask > 0
+        metrics["train/advantage_abs_mean"] = float(np.abs(advantages[trained]).mean())
+        metrics["critic/values_mean"] = float(values[trained].mean())
 
     def _correct(
         self, batch: PackedBatch, trainer_lp: npt.NDArray[np.float32], metrics: dict[str, float]

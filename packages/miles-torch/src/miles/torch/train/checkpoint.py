@@ -4,7 +4,10 @@ A checkpoint directory holds
   model.safetensors + config.json (+ tokenizer files)  a Hugging Face checkpoint of the policy
   optimizer.safetensors                                full AdamW state, "<param>/<key>" per tensor
   rng_rank<r>.safetensors                              each rank's torch RNG states
-  trainer_state.json                                   step, world size, config
+  trainer_state.json                                   step (and critic_step), world size, config
+  critic/                                              with a critic: its model.safetensors,
+                                                       config.json (token classification, one
+                                                       label) and optimizer.safetensors
 """
 
 from __future__ import annotations

@@ -33,6 +33,11 @@ class FSDPConfig:
     # Logprobs are those of log_softmax(logits / temperature): must match the rollout's sampling.
     temperature: float = 1.0
     attn_implementation: str = "sdpa"
+    # Train a critic (value model) beside the policy, for advantage estimators that need values
+    # (PPO with GAE): the same checkpoint with a scalar head, sharded and scheduled like the
+    # policy, with its own AdamW at `critic_lr` (None: `lr`).
+    critic: bool = False
+    critic_lr: float | None = None
     # Recompute each decoder layer in backward instead of storing its activations.
     activation_checkpointing: bool = False
     # Free each layer's gathered weights after its forward (less memory, one more all-gather).
@@ -54,6 +59,8 @@ class FSDPConfig:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError("warmup_steps must be >= 0 and min_lr_ratio in [0, 1]")
+        if self.critic_lr is not None and self.critic_lr < 0:
+            raise ValueError(f"critic_lr must be >= 0, got {self.critic_lr}")
         if len(self.betas) != 2:
             raise ValueError(f"betas must be two numbers, got {self.betas!r}")
         self.betas = (float(self.betas[0]), float(self.betas[1]))  # YAML gives a list

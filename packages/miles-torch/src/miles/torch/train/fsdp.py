@@ -8,6 +8,10 @@ work the same way and all-reduces the results, so each rank returns the full arr
 
 Gradients are summed over ranks, not averaged: `loss_weights` already fold the aggregation over
 the global batch, so the summed gradient is exactly that of the one-shot global loss.
+
+With `critic` on, a value model (the same checkpoint with a one-output token-classification head)
+is sharded, checkpointed, slept and woken just like the policy, and trained by `train_value_step`
+with its own optimizer and step count.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from miles.core.protocols import LossInputs, PolicyLoss
 from miles.core.types import PackedBatch
@@ -38,10 +42,13 @@ from miles.torch.train.config import FSDPConfig
 from miles.torch.train.logprobs import token_logprobs
 from miles.torch.train.microbatch import MicroBatch, shard_micro_batches
 from miles.torch.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from miles.torch.train.values import token_values
 from miles.torch.weights import named_state
 
 CHECKPOINT_FORMAT = 1
 _TRAINER_METRICS = ("train/loss", "train/entropy", "train/grad_norm", "train/lr")
+_CRITIC_METRICS = ("critic/loss", "critic/grad_norm", "critic/lr")
+CRITIC_DIR = "critic"  # the critic's checkpoint, a subdirectory of the trainer's
 
 
 class FSDPTrainer:
@@ -73,22 +80,37 @@ class FSDPTrainer:
         torch.manual_seed(seed)
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         # Hugging Face models that fully_shard turned into FSDPModules as well.
-        self.model: Any = self._build_model(model_path, trainable=True)
+        self.model: Any
+        self.model, self._layer_prefixes = self._build_model(model_path, trainable=True)
         self.ref_model: Any = (
-            self._build_model(model_path, trainable=False) if cfg.ref_model else None
+            self._build_model(model_path, trainable=False)[0] if cfg.ref_model else None
         )
         self.optimizer = build_optimizer(self.model.parameters(), cfg)
         self.step = 0  # optimizer steps taken; the LR schedule's whole state
+        # The critic, if any: its own optimizer and step count (its steps may be skipped apart
+        # from the policy's), on the policy's LR schedule scaled to `critic_lr`.
+        self.critic: Any = None
+        self.critic_optimizer: torch.optim.AdamW | None = None
+        self.critic_step = 0
+        self.critic_lr = cfg.lr if cfg.critic_lr is None else cfg.critic_lr
+        if cfg.critic:
+            self.critic, self._critic_layer_prefixes = self._build_model(
+                model_path, trainable=True, critic=True, seed=seed
+            )
+            self.critic_optimizer = build_optimizer(self.critic.parameters(), cfg, self.critic_lr)
         self._closed = False
 
     # -- model ------------------------------------------------------------------------------
 
-    def _build_model(self, path: str, trainable: bool) -> torch.nn.Module:
-        model = _load_hf_model(path, self.cfg.attn_implementation).eval()
+    def _build_model(
+        self, path: str, trainable: bool, critic: bool = False, seed: int = 0
+    ) -> tuple[torch.nn.Module, list[str]]:
+        """The sharded model and its decoder layers' name prefixes (see `_groups`)."""
+        attn = self.cfg.attn_implementation
+        model = (_load_hf_critic(path, attn, seed) if critic else _load_hf_model(path, attn)).eval()
         layers = _decoder_layers(model)
-        if trainable:
-            ids = {id(layer) for layer in layers}
-            self._layer_prefixes = [f"{n}." for n, m in model.named_modules() if id(m) in ids]
+        ids = {id(layer) for layer in layers}
+        prefixes = [f"{n}." for n, m in model.named_modules() if id(m) in ids]
         if not trainable:
             model.requires_grad_(False)
         elif self.cfg.activation_checkpointing:
@@ -109,10 +131,15 @@ class FSDPTrainer:
             # Sum gradients over ranks (see the module docstring) instead of averaging.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-        return model
+        return model, prefixes
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _require_critic(self) -> Any:
+        if self.critic is None:
+            raise RuntimeError("this trainer has no critic: set FSDPConfig.critic")
+        return self.critic
 
     # -- forward passes ---------------------------------------------------------------------
 
@@ -144,6 +171,24 @@ class FSDPTrainer:
         if self.ref_model is not None:
             result["ref_logprobs"] = arrays[2]
         return result
+
+    @torch.no_grad()
+    def values(self, batch: PackedBatch) -> npt.NDArray[np.float32]:
+        """The critic's values, fp32 aligned with batch.tokens: values[t] is the critic's output
+        at position t - 1 (the state before token t), 0 at every sequence's first token.
+
+        Collective like `logprobs`: every rank passes the whole batch and gets the whole result.
+        """
+        critic = self._require_critic()
+        out = torch.zeros(len(batch.tokens), dtype=torch.float32, device=self.device)
+        for mb in self._micro_batches(batch):
+            v = token_values(critic, mb)
+            if not mb.is_padding:
+                out[torch.from_numpy(mb.token_index).to(self.device)] = v
+        critic.reshard()
+        if self.world_size > 1:
+            dist.all_reduce(out)  # each token was filled in by exactly one rank, 0 elsewhere
+        return out.cpu().numpy()
 
     def train_step(self, batch: PackedBatch, loss: PolicyLoss) -> dict[str, float]:
         """One optimizer step on the whole batch; every rank returns the same metrics.
@@ -178,26 +223,95 @@ class FSDPTrainer:
                     raise ValueError(f"loss metric {key!r} clashes with the trainer's own")
                 add(key, value, inputs.loss_weights)
 
+        out = self._reduce_metrics(sums, weights, "train/loss")
+        lr = lr_at(self.cfg, self.step)
+        grad_norm = self._optimizer_step(self._trainable(), self.optimizer, lr)
+        if math.isfinite(grad_norm):
+            self.step += 1
+        out["train/grad_norm"] = grad_norm
+        out["train/lr"] = lr
+        return out
+
+    def train_value_step(self, batch: PackedBatch, loss: PolicyLoss) -> dict[str, float]:
+        """One critic optimizer step on the whole batch; every rank returns the same metrics.
+
+        `loss` is a value loss: it gets `LossInputs.values` (the critic's current values, with
+        gradient), `old_values` (`batch.values`; default: the current values, detached) and
+        `returns` (`batch.returns`, required). The policy fields carry the batch's data without a
+        policy forward: `logprobs` = `old_logprobs` = `batch.old_logprobs` (default: the rollout
+        logprobs), no gradient, and `entropy` is 0, so a value loss must not read them.
+        Weights are `batch.loss_weights` (default: token mean over `loss_mask`). Metrics:
+        "critic/loss", every loss metric renamed "train/x" -> "critic/x" as a loss-weighted mean,
+        "critic/grad_norm" (before clipping) and "critic/lr". A non-finite grad norm skips the
+        update.
+        """
+        critic = self._require_critic()
+        assert self.critic_optimizer is not None
+        if batch.returns is None:
+            raise ValueError("train_value_step needs batch.returns")
+        weights = batch.loss_weights
+        if weights is None:
+            weights = batch.loss_mask / max(float(batch.loss_mask.sum()), 1.0)
+        sums: dict[str, torch.Tensor] = {}
+
+        def add(key: str, value: torch.Tensor, w: torch.Tensor) -> None:
+            total = (value.detach().float() * w).sum()
+            sums[key] = sums[key] + total if key in sums else total
+
+        policy_lp = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        for mb in self._micro_batches(batch):
+            v = token_values(critic, mb)
+            lp = self._per_token(policy_lp, mb)
+            inputs = self._loss_inputs(batch, weights, mb, lp, torch.zeros_like(lp))
+            old = batch.values
+            inputs.values = v
+            inputs.old_values = v.detach() if old is None else self._per_token(old, mb)
+            inputs.returns = self._per_token(batch.returns, mb)
+            per_token, metrics = loss(inputs)
+            (per_token * inputs.loss_weights).sum().backward()
+            add("critic/loss", per_token, inputs.loss_weights)
+            for key, value in metrics.items():
+                key = f"critic/{key.removeprefix('train/')}"
+                if key in _CRITIC_METRICS:
+                    raise ValueError(f"loss metric {key!r} clashes with the trainer's own")
+                add(key, value, inputs.loss_weights)
+
+        out = self._reduce_metrics(sums, weights, "critic/loss")
+        lr = lr_at(self.cfg, self.critic_step, self.critic_lr)
+        params = [p for p in critic.parameters() if p.requires_grad]
+        grad_norm = self._optimizer_step(params, self.critic_optimizer, lr)
+        if math.isfinite(grad_norm):
+            self.critic_step += 1
+        out["critic/grad_norm"] = grad_norm
+        out["critic/lr"] = lr
+        return out
+
+    def _reduce_metrics(
+        self, sums: dict[str, torch.Tensor], weights: npt.NDArray[np.float32], loss_key: str
+    ) -> dict[str, float]:
+        """All-reduce the loss-weighted sums; every metric but the loss (already a weighted sum
+        of the global objective) becomes a loss-weighted mean."""
         keys = sorted(sums)
         totals = torch.stack([sums[k] for k in keys])
         if self.world_size > 1:
             dist.all_reduce(totals)
-        grad_norm = clip_grad_norm_(self._trainable(), self.cfg.grad_clip)
-        lr = lr_at(self.cfg, self.step)
-        if math.isfinite(grad_norm):
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
-            self.step += 1
-        self.optimizer.zero_grad(set_to_none=True)
-
         total_weight = float(np.sum(weights, dtype=np.float64)) or 1.0
-        out = {
-            k: float(v) / (1.0 if k == "train/loss" else total_weight)
+        return {
+            k: float(v) / (1.0 if k == loss_key else total_weight)
             for k, v in zip(keys, totals.tolist(), strict=True)
         }
-        out["train/grad_norm"] = grad_norm
-        out["train/lr"] = lr
-        return out
+
+    def _optimizer_step(
+        self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, lr: float
+    ) -> float:
+        """Clip, then step at `lr` unless the grad norm is non-finite; returns the grad norm."""
+        grad_norm = clip_grad_norm_(params, self.cfg.grad_clip)
+        if math.isfinite(grad_norm):
+            set_lr(optimizer, lr)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
 
     def _micro_batches(self, batch: PackedBatch) -> list[MicroBatch]:
         return shard_micro_batches(
@@ -249,45 +363,49 @@ class FSDPTrainer:
     def _named_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         return named_state(self.model)
 
-    def _groups(self) -> list[list[tuple[str, torch.Tensor]]]:
-        """Parameters and buffers grouped by decoder layer (the rest in one group).
+    def _groups(
+        self, model: torch.nn.Module, prefixes: list[str]
+    ) -> list[list[tuple[str, torch.Tensor]]]:
+        """`model`'s parameters and buffers grouped by decoder layer (the rest in one group).
 
         A weight-format conversion (fused MoE experts back to per-expert tensors) never spans
         layers, so a group is a unit of conversion as well as of memory.
         """
-        prefixes = self._layer_prefixes
         groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        for name, tensor in self._named_state():
+        for name, tensor in named_state(model):
             key = next((p for p in prefixes if name.startswith(p)), "")
             groups.setdefault(key, []).append((name, tensor))
         return list(groups.values())
 
-    def save(self, path: str) -> None:
-        """Write a checkpoint directory (see `checkpoint`): weights, optimizer, RNG, step."""
-        from transformers.core_model_loading import revert_weight_conversion
+    def _trained(self) -> list[tuple[Any, torch.optim.Optimizer, list[str], Path]]:
+        """(model, optimizer, layer prefixes, checkpoint subdirectory) of each trained model."""
+        out = [(self.model, self.optimizer, self._layer_prefixes, Path("."))]
+        if self.critic is not None:
+            assert self.critic_optimizer is not None
+            out.append(
+                (self.critic, self.critic_optimizer, self._critic_layer_prefixes, Path(CRITIC_DIR))
+            )
+        return out
 
+    def save(self, path: str) -> None:
+        """Write a checkpoint directory (see `checkpoint`): weights, optimizer, RNG, step; and
+        the critic's weights and optimizer under `critic/` (a Hugging Face token-classification
+        checkpoint of its own)."""
         with ckpt.atomic_directory(path, self.rank) as tmp:
-            weights: dict[str, torch.Tensor] = {}
-            for group in self._groups():
-                full = {name: ckpt.full_tensor(t) for name, t in group}
+            for model, optimizer, prefixes, sub in self._trained():
+                weights = self._gather_weights(model, prefixes)
+                optim = _gather_optimizer(model, optimizer, self.rank)
                 if self.rank == 0:
-                    # The checkpoint's on-disk names, as save_pretrained writes them.
-                    for name, t in revert_weight_conversion(self.model, full).items():
-                        weights[name] = t.detach().cpu().contiguous()
-            optim: dict[str, torch.Tensor] = {}
-            for name, param in self.model.named_parameters():
-                for key, value in self.optimizer.state.get(param, {}).items():
-                    gathered = ckpt.full_tensor(value)
-                    if self.rank == 0:
-                        optim[f"{name}/{key}"] = gathered.cpu().contiguous()
+                    out = tmp / sub
+                    out.mkdir(exist_ok=True)
+                    save_file(weights, out / ckpt.MODEL_FILE, metadata={"format": "pt"})
+                    save_file(optim, out / ckpt.OPTIMIZER_FILE)
+                    model.config.save_pretrained(out)
             rng = {"cpu": torch.get_rng_state()}
             if self.device.type == "cuda":
                 rng["cuda"] = torch.cuda.get_rng_state(self.device)
             save_file(rng, tmp / ckpt.rng_file(self.rank))
             if self.rank == 0:
-                save_file(weights, tmp / ckpt.MODEL_FILE, metadata={"format": "pt"})
-                save_file(optim, tmp / ckpt.OPTIMIZER_FILE)
-                self.model.config.save_pretrained(tmp)
                 if self.model.generation_config is not None:
                     self.model.generation_config.save_pretrained(tmp)
                 ckpt.copy_tokenizer_files(self.model_path, tmp)
@@ -297,37 +415,47 @@ class FSDPTrainer:
                     "world_size": self.world_size,
                     "config": dataclasses.asdict(self.cfg),
                 }
+                if self.critic is not None:
+                    state["critic_step"] = self.critic_step
                 ckpt.write_json(tmp / ckpt.STATE_FILE, state)
+
+    def _gather_weights(self, model: Any, prefixes: list[str]) -> dict[str, torch.Tensor]:
+        """`model`'s full weights under their on-disk names, as save_pretrained writes them; on
+        rank 0 only (empty elsewhere). Collective."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        weights: dict[str, torch.Tensor] = {}
+        for group in self._groups(model, prefixes):
+            full = {name: ckpt.full_tensor(t) for name, t in group}
+            if self.rank == 0:
+                for name, t in revert_weight_conversion(model, full).items():
+                    weights[name] = t.detach().cpu().contiguous()
+        return weights
 
     @torch.no_grad()
     def load(self, path: str) -> None:
-        """Restore a `save`d checkpoint: weights, optimizer state, step, and (same world size)
-        RNG. The config is this trainer's own; the reference model stays the one at model_path.
+        """Restore a `save`d checkpoint: weights, optimizer state, step, (same world size) RNG,
+        and the critic's weights, optimizer state and step when this trainer has a critic. The
+        config is this trainer's own; the reference model stays the one at model_path.
         """
         root = Path(path)
         state = json.loads((root / ckpt.STATE_FILE).read_text())
         if state["format"] != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {state['format']}, expected 1")
-        # from_pretrained undoes the on-disk weight format (e.g. fuses MoE experts) for us.
-        source = _load_hf_model(path, self.cfg.attn_implementation)
-        full = dict(source.state_dict())
-        for name, tensor in self._named_state():
-            tensor.copy_(ckpt.shard_like(full[name], tensor))
-        del source, full
-
-        self.optimizer.state.clear()
-        with safe_open(str(root / ckpt.OPTIMIZER_FILE), framework="pt") as f:
-            keys = set(f.keys())
-            for name, param in self.model.named_parameters():
-                entries = {k.split("/", 1)[1] for k in keys if k.startswith(name + "/")}
-                st: dict[str, torch.Tensor] = {}
-                for key in entries:
-                    value = f.get_tensor(f"{name}/{key}")
-                    # "step" is a CPU scalar in AdamW; moments are shaped and sharded like the param.
-                    st[key] = value if key == "step" else ckpt.shard_like(value, param)
-                if st:
-                    self.optimizer.state[param] = st
+        if self.critic is not None and "critic_step" not in state:
+            raise ValueError(f"{path}: checkpoint has no critic, but this trainer trains one")
+        attn = self.cfg.attn_implementation
+        for model, optimizer, _, sub in self._trained():
+            # from_pretrained undoes the on-disk weight format (e.g. fuses MoE experts) for us.
+            is_critic = model is self.critic
+            source = (_load_hf_critic if is_critic else _load_hf_model)(str(root / sub), attn)
+            full = dict(source.state_dict())
+            for name, tensor in named_state(model):
+                tensor.copy_(ckpt.shard_like(full[name], tensor))
+            del source, full
+            _load_optimizer(model, optimizer, root / sub / ckpt.OPTIMIZER_FILE)
         self.step = int(state["step"])
+        self.critic_step = int(state.get("critic_step", 0))
         rng_path = root / ckpt.rng_file(self.rank)
         if state["world_size"] == self.world_size and rng_path.is_file():
             states = load_file(rng_path)
@@ -353,19 +481,25 @@ class FSDPTrainer:
             return
         for model in self._models():
             model.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if key != "step" and isinstance(value, torch.Tensor):
-                    state[key] = value.to(device, non_blocking=True)
+        for _, optimizer, _, _ in self._trained():
+            for state in optimizer.state.values():
+                for key, value in state.items():
+                    if key != "step" and isinstance(value, torch.Tensor):
+                        state[key] = value.to(device, non_blocking=True)
         torch.cuda.synchronize(self.device)
         if device.type == "cpu":
             torch.cuda.empty_cache()
 
     def _models(self) -> list[Any]:
-        return [self.model] + ([self.ref_model] if self.ref_model is not None else [])
+        models = [self.model]
+        if self.ref_model is not None:
+            models.append(self.ref_model)
+        if self.critic is not None:
+            models.append(self.critic)
+        return models
 
     def close(self) -> None:
-        """Free the model and optimizer, and the process group if this trainer created it.
+        """Free the models and optimizers, and the process group if this trainer created it.
 
         Collective. The trainer is unusable afterwards.
         """
@@ -377,6 +511,7 @@ class FSDPTrainer:
         # Drop the sharded modules now: their FSDP state holds collective work objects, and
         # gloo can abort the process if those are only freed at interpreter exit.
         del self.optimizer, self.ref_model, self.model, self.mesh
+        del self.critic_optimizer, self.critic
         gc.collect()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -440,3 +575,61 @@ def _checkpoint_forward(layer: torch.nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     layer.forward = forward
+
+
+def _load_hf_critic(path: str, attn_implementation: str, seed: int = 0) -> torch.nn.Module:
+    """The value model: `path`'s transformer with a one-output token-classification head.
+
+    A policy checkpoint has no head (`score`): it is initialised here from `seed` alone, so
+    every rank (and every world size) starts from the same head. N(0, 1/(hidden + 1)) keeps the
+    initial values small without zeroing the gradient that reaches the transformer. A critic
+    checkpoint (our `critic/` directory) loads its own head.
+    """
+    model, info = AutoModelForTokenClassification.from_pretrained(
+        path,
+        num_labels=1,
+        dtype=torch.float32,
+        attn_implementation=attn_implementation,
+        output_loading_info=True,
+    )
+    head = model.score
+    missing = set(info["missing_keys"])
+    if "score.weight" in missing:
+        gen = torch.Generator().manual_seed(seed)
+        std = 1.0 / (head.in_features + 1)
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * std)
+            if head.bias is not None:
+                head.bias.zero_()
+    # Saved configs then name the class that loads them.
+    model.config.architectures = [type(model).__name__]
+    return model
+
+
+def _gather_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> dict[str, torch.Tensor]:
+    """Full optimizer state as "<param>/<key>" tensors, on rank 0 (empty elsewhere). Collective."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        for key, value in optimizer.state.get(param, {}).items():
+            gathered = ckpt.full_tensor(value)
+            if rank == 0:
+                out[f"{name}/{key}"] = gathered.cpu().contiguous()
+    return out
+
+
+def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, file: Path) -> None:
+    """Replace `optimizer`'s state by that in `file` (as `_gather_optimizer` wrote it)."""
+    optimizer.state.clear()
+    with safe_open(str(file), framework="pt") as f:
+        keys = set(f.keys())
+        for name, param in model.named_parameters():
+            entries = {k.split("/", 1)[1] for k in keys if k.startswith(name + "/")}
+            st: dict[str, torch.Tensor] = {}
+            for key in entries:
+                value = f.get_tensor(f"{name}/{key}")
+                # "step" is a CPU scalar in AdamW; moments are shaped and sharded like the param.
+                st[key] = value if key == "step" else ckpt.shard_like(value, param)
+            if st:
+                optimizer.state[param] = st

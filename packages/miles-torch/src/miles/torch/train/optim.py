@@ -11,27 +11,36 @@ from torch.distributed.tensor import DTensor
 from miles.torch.train.config import FSDPConfig
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: FSDPConfig) -> torch.optim.AdamW:
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: FSDPConfig, lr: float | None = None
+) -> torch.optim.AdamW:
+    """AdamW with the config's hyper-parameters; `lr` (default `cfg.lr`) is the peak LR."""
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        params,
+        lr=cfg.lr if lr is None else lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
     )
 
 
-def lr_at(cfg: FSDPConfig, step: int) -> float:
+def lr_at(cfg: FSDPConfig, step: int, lr: float | None = None) -> float:
     """The learning rate of optimizer step `step` (0-based): warmup, then the schedule.
 
-    A pure function of the step count, so the schedule's whole state is one integer.
+    A pure function of the step count, so the schedule's whole state is one integer. `lr` (default
+    `cfg.lr`) is the peak; the critic passes its own and shares the schedule's shape.
     """
+    peak = cfg.lr if lr is None else lr
     if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return peak * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
-        return cfg.lr
+        return peak
     progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
     if cfg.lr_schedule == "linear":
         decay = 1.0 - progress
     else:  # cosine
         decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay)
+    return peak * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
