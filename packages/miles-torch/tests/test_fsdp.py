@@ -199,9 +199,12 @@ def test_config_and_lr_schedules():
     assert FSDPConfig(betas=[0.9, 0.95]).betas == (0.9, 0.95)  # as YAML gives them
 
 
-def test_reference_model_stays_frozen(model_path, make_trainer):
+@pytest.mark.parametrize("ref_mode", ["copy", "offload"])
+def test_reference_model_stays_frozen(model_path, make_trainer, ref_mode):
     batch = make_batch(SHAPES)
-    trainer = make_trainer(model_path, lr=1e-2, ref_model=True, micro_batch_tokens=16)
+    trainer = make_trainer(
+        model_path, lr=1e-2, ref_model=True, ref_mode=ref_mode, micro_batch_tokens=16
+    )
     before = trainer.logprobs(batch)
     np.testing.assert_array_equal(before["ref_logprobs"], before["logprobs"])
     trainer.train_step(batch, sft)
@@ -213,6 +216,23 @@ def test_reference_model_stays_frozen(model_path, make_trainer):
     assert trainer.train_step(batch, sft)["train/loss"] < -float(
         (before["logprobs"] * batch.loss_mask).sum() / batch.loss_mask.sum()
     )
+
+
+def test_offloaded_reference_equals_the_frozen_copy(model_path, make_trainer):
+    """Swapping host-held reference shards in and out gives the copy's logprobs, and leaves the
+    policy exactly as it was: training goes on identically."""
+    batch = make_batch(SHAPES)
+    copy = make_trainer(model_path, lr=1e-2, ref_model=True, ref_mode="copy", micro_batch_tokens=16)
+    offload = make_trainer(
+        model_path, lr=1e-2, ref_model=True, ref_mode="offload", micro_batch_tokens=16
+    )
+    for _ in range(3):
+        a, b = copy.logprobs(batch), offload.logprobs(batch)
+        np.testing.assert_array_equal(a["ref_logprobs"], b["ref_logprobs"])
+        np.testing.assert_array_equal(a["logprobs"], b["logprobs"])
+        assert copy.train_step(batch, sft) == offload.train_step(batch, sft)
+    assert max_diff(weights(copy), weights(offload)) == 0.0
+    assert np.abs(a["ref_logprobs"] - a["logprobs"]).max() > 1e-3  # the policy did move
 
 
 def test_checkpoint_resumes_exactly_without_pickle(model_path, make_trainer, tmp_path):

@@ -30,6 +30,10 @@ class FSDPConfig:
     dtype: str = "float32"
     # Keep a frozen copy of the initial weights, so `logprobs` also returns "ref_logprobs" (for KL).
     ref_model: bool = False
+    # How the reference policy is held: "copy", a frozen sharded copy on the device (fast, one
+    # more model of memory); "offload", its weight shards in host memory, swapped into the policy
+    # model for the reference forward (no extra device memory, two host<->device copies a step).
+    ref_mode: str = "copy"
     # Logprobs are those of log_softmax(logits / temperature): must match the rollout's sampling.
     temperature: float = 1.0
     attn_implementation: str = "sdpa"
@@ -51,6 +55,8 @@ class FSDPConfig:
                 f"lr_schedule {self.lr_schedule!r} needs total_steps > warmup_steps, "
                 f"got total_steps={self.total_steps}, warmup_steps={self.warmup_steps}"
             )
+        if self.ref_mode not in ("copy", "offload"):
+            raise ValueError(f"ref_mode must be 'copy' or 'offload', got {self.ref_mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.micro_batch_tokens <= 0:

@@ -21,6 +21,7 @@ import gc
 import json
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -82,9 +84,12 @@ class FSDPTrainer:
         # Hugging Face models that fully_shard turned into FSDPModules as well.
         self.model: Any
         self.model, self._layer_prefixes = self._build_model(model_path, trainable=True)
-        self.ref_model: Any = (
-            self._build_model(model_path, trainable=False)[0] if cfg.ref_model else None
-        )
+        self.ref_model: Any = None
+        self._ref_shards: list[torch.Tensor] | None = None
+        if cfg.ref_model and cfg.ref_mode == "copy":
+            self.ref_model = self._build_model(model_path, trainable=False)[0]
+        elif cfg.ref_model:  # "offload": this rank's shards of the initial weights, on the host
+            self._ref_shards = [_host_copy(_local(p)) for p in self.model.parameters()]
         self.optimizer = build_optimizer(self.model.parameters(), cfg)
         self.step = 0  # optimizer steps taken; the LR schedule's whole state
         # The critic, if any: its own optimizer and step count (its steps may be skipped apart
@@ -150,9 +155,11 @@ class FSDPTrainer:
         Each is 0 at every sequence's first token. Every rank passes the whole batch and gets
         the whole result.
         """
-        rows = 3 if self.ref_model is not None else 2
+        has_ref = self.ref_model is not None or self._ref_shards is not None
+        rows = 3 if has_ref else 2
         out = torch.zeros(rows, len(batch.tokens), dtype=torch.float32, device=self.device)
-        for mb in self._micro_batches(batch):
+        micro_batches = self._micro_batches(batch)
+        for mb in micro_batches:
             idx = torch.from_numpy(mb.token_index).to(self.device)
             lp, entropy = token_logprobs(self.model, mb, self.cfg.temperature)
             ref = None
@@ -164,13 +171,40 @@ class FSDPTrainer:
                     out[2, idx] = ref
         for model in self._models():
             model.reshard()  # the root keeps its weights gathered after forward otherwise
+        if self._ref_shards is not None:
+            with self._reference_weights():
+                for mb in micro_batches:
+                    ref, _ = token_logprobs(self.model, mb, self.cfg.temperature)
+                    if not mb.is_padding:
+                        out[2, torch.from_numpy(mb.token_index).to(self.device)] = ref
+                self.model.reshard()
         if self.world_size > 1:
             dist.all_reduce(out)  # each token was filled in by exactly one rank, 0 elsewhere
         arrays = out.cpu().numpy()
         result = {"logprobs": arrays[0], "entropy": arrays[1]}
-        if self.ref_model is not None:
+        if has_ref:
             result["ref_logprobs"] = arrays[2]
         return result
+
+    @contextmanager
+    def _reference_weights(self) -> Iterator[None]:
+        """Swaps the offloaded reference shards into the policy model, and back afterwards.
+
+        Copies go into the shards' storage in place, so FSDP's all-gathers see them; the
+        policy's shards wait in host memory meanwhile.
+        """
+        assert self._ref_shards is not None
+        params = [_local(p) for p in self.model.parameters()]
+        saved = [_host_copy(p) for p in params]
+        try:
+            for p, ref in zip(params, self._ref_shards, strict=True):
+                p.copy_(ref, non_blocking=True)
+            yield
+        finally:
+            for p, policy in zip(params, saved, strict=True):
+                p.copy_(policy, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
     def values(self, batch: PackedBatch) -> npt.NDArray[np.float32]:
@@ -633,3 +667,13 @@ def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fi
                 st[key] = value if key == "step" else ckpt.shard_like(value, param)
             if st:
                 optimizer.state[param] = st
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (DTensor) parameter, sharing its storage."""
+    return param.to_local() if isinstance(param, DTensor) else param.data
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    return out.copy_(t.detach())
