@@ -21,6 +21,13 @@ REWARD_MODULE = '''
 async def vowel_fraction(response, sample):
     """Fraction of the response's characters that are vowels."""
     return sum(c in "aeiou" for c in response) / max(len(response), 1)
+
+
+async def flaky(response, sample):
+    """Raises for every other sample: a reward with a bug."""
+    if sample.sample_id % 2:
+        raise RuntimeError("flaky reward bug")
+    return 1.0
 '''
 # A third-party loss plugin, installed the way pip leaves one (module + .dist-info with its entry
 # point), to prove a loss from outside the project is usable by name.

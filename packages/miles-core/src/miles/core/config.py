@@ -35,6 +35,16 @@ class ComponentRef:
 
 
 @dataclass
+class RewardSection(ComponentRef):
+    """The reward component plus how the run treats its failures."""
+
+    # mark_failed: a reward that raises, times out or returns a non-finite score marks its sample
+    # failed (counted in rollout/reward_errors) and the run goes on; fail: the run stops.
+    on_error: Literal["mark_failed", "fail"] = "mark_failed"
+    timeout_s: float | None = None  # per call (per group for rewards that score groups)
+
+
+@dataclass
 class ModelConfig:
     path: str = ""  # a local Hugging Face checkpoint directory or a hub id
     family: str | None = None
@@ -168,7 +178,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: ComponentRef = field(default_factory=lambda: ComponentRef("exact_match"))
+    reward: RewardSection = field(default_factory=lambda: RewardSection("exact_match"))
     filters: list[ComponentRef] = field(default_factory=list)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -6,7 +6,14 @@ from collections.abc import Iterable
 
 from miles.core import ComponentSpec, Kind, hookimpl
 from miles.rewards.exact_match import ExactMatch, ExactMatchConfig
-from miles.rewards.filters import DropFailed, DropFailedConfig
+from miles.rewards.filters import (
+    DropFailed,
+    DropFailedConfig,
+    DynamicSampling,
+    DynamicSamplingConfig,
+    Length,
+    LengthConfig,
+)
 from miles.rewards.single_turn import SingleTurn, SingleTurnConfig
 
 
@@ -32,6 +39,20 @@ def miles_register_filters() -> Iterable[ComponentSpec]:
             DropFailed,
             "drop samples whose generation or reward failed",
             DropFailedConfig,
+        ),
+        ComponentSpec(
+            Kind.FILTER,
+            "dynamic_sampling",
+            DynamicSampling,
+            "DAPO: drop zero-variance groups and over-sample until the batch is full",
+            DynamicSamplingConfig,
+        ),
+        ComponentSpec(
+            Kind.FILTER,
+            "length",
+            Length,
+            "keep responses within a token-length range; optionally drop truncated ones",
+            LengthConfig,
         ),
     ]
 

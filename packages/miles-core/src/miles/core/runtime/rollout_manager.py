@@ -22,6 +22,7 @@ from miles.core.factory import build_component
 from miles.core.protocols import PromptGroup
 from miles.core.runtime.dispatch import EngineDispatcher
 from miles.core.runtime.process import init_actor_process
+from miles.core.runtime.scoring import RewardScorer
 from miles.core.telemetry import attached, span
 from miles.core.types import PackedBatch, Sample, SampleStatus, SamplingParams
 from miles.core.weight_sync import SyncPlan
@@ -64,7 +65,13 @@ class RolloutManager:
         self.rollout_fn = build_component(
             Kind.ROLLOUT_FUNCTION, config.rollout.function, path="rollout.function"
         )
-        self.reward_fn = build_component(Kind.REWARD, config.reward, path="reward")
+        self.scorer = RewardScorer(
+            build_component(Kind.REWARD, config.reward, path="reward"),
+            config.reward.name,
+            self.tokenizer,
+            on_error=config.reward.on_error,
+            timeout_s=config.reward.timeout_s,
+        )
         self.filters = [
             build_component(Kind.FILTER, f, path=f"filters[{i}]")
             for i, f in enumerate(config.filters)
@@ -129,20 +136,6 @@ class RolloutManager:
 
     # ── one rollout ──────────────────────────────────────────────────────────────────────────────
 
-    async def _score(self, samples: list[Sample]) -> None:
-        async def one(sample: Sample) -> None:
-            if sample.status is SampleStatus.FAILED:
-                return
-            text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-            try:
-                sample.reward = float(await self.reward_fn(text, sample))
-            except Exception as exc:  # a bad reward marks its sample; it never stops the run
-                sample.status, sample.error = SampleStatus.FAILED, f"reward: {exc!r}"
-                sample.metadata["reward_error"] = True
-                log.warning("reward failed", sample_id=sample.sample_id, error=repr(exc))
-
-        await asyncio.gather(*(one(s) for s in samples))
-
     async def _run_groups(
         self, groups: list[PromptGroup], sampling: SamplingParams
     ) -> list[list[Sample]]:
@@ -152,7 +145,7 @@ class RolloutManager:
             with span("miles.rollout_group", group=group.group_id):
                 samples = await self.rollout_fn(ctx, group)
             with span("miles.reward", group=group.group_id):
-                await self._score(samples)
+                await self.scorer.score(samples)
             return list(samples)
 
         return list(await asyncio.gather(*(run_one(g) for g in groups)))
@@ -162,18 +155,29 @@ class RolloutManager:
     ) -> tuple[PackedBatch, dict[str, float]]:
         """Generates, scores and filters one step's groups."""
         with attached(trace), span("miles.rollout", step=step):
-            rows = self.source.next(self.config.rollout.prompts_per_step)
-            groups = self._groups_for(rows, self.config.rollout.samples_per_prompt)
+            target = self.config.rollout.prompts_per_step
+            # Filters that drop whole groups (dynamic sampling) may ask for extra rounds.
+            rounds = max((getattr(f, "oversample_rounds", 0) for f in self.filters), default=0)
             t0 = time.perf_counter()
-            generated = await self._run_groups(groups, self.sampling)
+            flat: list[Sample] = []
+            kept_groups: list[list[Sample]] = []
+            extra_rounds = -1
+            while extra_rounds < rounds and len(kept_groups) < target:
+                extra_rounds += 1
+                rows = self.source.next(target - len(kept_groups))
+                groups = self._groups_for(rows, self.config.rollout.samples_per_prompt)
+                for group in await self._run_groups(groups, self.sampling):
+                    flat.extend(group)
+                    for f in self.filters:
+                        group = f(group)
+                    if group:
+                        kept_groups.append(group)
             elapsed = time.perf_counter() - t0
-            flat = [s for g in generated for s in g]
-            kept = []
-            for group in generated:
-                for f in self.filters:
-                    group = f(group)
-                kept.extend(group)
+            kept = [s for g in kept_groups for s in g]
             metrics = _rollout_metrics(flat, kept, elapsed)
+            n_groups = len(flat) // max(self.config.rollout.samples_per_prompt, 1)
+            metrics["rollout/dropped_group_frac"] = 1 - len(kept_groups) / max(n_groups, 1)
+            metrics["rollout/oversample_rounds"] = float(extra_rounds)
             metrics["rollout/epoch"] = float(self.source.state.epoch)
             if not kept:
                 log.warning("every sample of this step was filtered out", step=step)
