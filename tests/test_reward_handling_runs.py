@@ -63,3 +63,26 @@ def test_dynamic_sampling_oversamples_within_its_bound(
     assert row["rollout/samples"] == 3 * 4 * 4  # 3 rounds x 4 prompts x 4 samples
     assert row["rollout/dropped_group_frac"] == 1.0 and row["rollout/kept_samples"] == 0
     assert "train/loss" not in row  # nothing to train on: the step is skipped, not crashed
+
+
+def test_multi_turn_with_the_calculator_runs(tmp_path: Path, tiny_assets: dict[str, str]) -> None:
+    cfg = write_config(
+        tmp_path / "cfg.yaml",
+        tiny_assets,
+        steps=1,
+        reward="env",
+        rollout={
+            "function": {
+                "name": "multi_turn",
+                "env": "calculator",
+                "max_turns": 3,
+                "max_turn_tokens": 4,
+            },
+            "max_new_tokens": 16,
+        },
+        checkpoint={"at_end": False},
+    )
+    proc = run_miles("run", str(cfg), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
+    assert row["rollout/reward_errors"] == 0 and row["train/rollout_logprob_abs_diff"] < 1e-4

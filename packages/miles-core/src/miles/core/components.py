@@ -15,6 +15,7 @@ class Kind(enum.StrEnum):
     ROLLOUT_BACKEND = "rollout_backend"
     TRAIN_BACKEND = "train_backend"
     ROLLOUT_FUNCTION = "rollout_function"
+    ENVIRONMENT = "environment"
     REWARD = "reward"
     FILTER = "filter"
     ADVANTAGE = "advantage"

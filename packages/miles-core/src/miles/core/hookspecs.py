@@ -51,6 +51,12 @@ def miles_register_rollout_functions() -> Iterable[ComponentSpec]:
 
 
 @hookspec
+def miles_register_environments() -> Iterable[ComponentSpec]:
+    """Environments for multi-turn rollouts: factory(config) builds a
+    :class:`miles.core.protocols.Environment` (``reset`` / ``step`` over text)."""
+
+
+@hookspec
 def miles_register_rewards() -> Iterable[ComponentSpec]:
     """Reward functions (``reward.name``): score a finished sample (or a whole group) to a float."""
 
@@ -110,6 +116,7 @@ REGISTRATION_HOOKS: dict[str, Kind] = {
     "miles_register_rollout_backends": Kind.ROLLOUT_BACKEND,
     "miles_register_train_backends": Kind.TRAIN_BACKEND,
     "miles_register_rollout_functions": Kind.ROLLOUT_FUNCTION,
+    "miles_register_environments": Kind.ENVIRONMENT,
     "miles_register_rewards": Kind.REWARD,
     "miles_register_filters": Kind.FILTER,
     "miles_register_advantages": Kind.ADVANTAGE,

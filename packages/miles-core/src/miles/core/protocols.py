@@ -124,3 +124,23 @@ class RolloutFunction(Protocol):
     """How one group is generated: single-turn, multi-turn with tools, agentic."""
 
     async def __call__(self, ctx: RolloutContext, group: PromptGroup) -> list[Sample]: ...
+
+
+@dataclass
+class EnvStep:
+    """What an environment returns from `reset` and `step`."""
+
+    observation: str  # text for the model to read next (tool output); may be empty
+    reward: float = 0.0
+    done: bool = False
+
+
+class Environment(Protocol):
+    """A multi-turn environment over text: tools, games, code execution.
+
+    One instance serves one episode (one sample); the rollout function builds a fresh one each time.
+    """
+
+    async def reset(self, row: dict[str, Any]) -> EnvStep: ...
+
+    async def step(self, action: str) -> EnvStep: ...

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from miles.core import ComponentSpec, Kind, hookimpl
+from miles.rewards.env_reward import EnvReward, EnvRewardConfig
+from miles.rewards.environments import Calculator, CalculatorConfig
 from miles.rewards.exact_match import ExactMatch, ExactMatchConfig
 from miles.rewards.filters import (
     DropFailed,
@@ -14,6 +16,7 @@ from miles.rewards.filters import (
     Length,
     LengthConfig,
 )
+from miles.rewards.multi_turn import MultiTurn, MultiTurnConfig
 from miles.rewards.single_turn import SingleTurn, SingleTurnConfig
 
 
@@ -26,6 +29,13 @@ def miles_register_rewards() -> Iterable[ComponentSpec]:
             ExactMatch,
             "1.0 when the response equals the row's reference answer",
             ExactMatchConfig,
+        ),
+        ComponentSpec(
+            Kind.REWARD,
+            "env",
+            EnvReward,
+            "the reward a multi-turn environment gave over the episode",
+            EnvRewardConfig,
         ),
     ]
 
@@ -66,5 +76,25 @@ def miles_register_rollout_functions() -> Iterable[ComponentSpec]:
             SingleTurn,
             "one prompt, n independent responses (the default)",
             SingleTurnConfig,
+        ),
+        ComponentSpec(
+            Kind.ROLLOUT_FUNCTION,
+            "multi_turn",
+            MultiTurn,
+            "model turns and environment observations; observations are never trained on",
+            MultiTurnConfig,
+        ),
+    ]
+
+
+@hookimpl
+def miles_register_environments() -> Iterable[ComponentSpec]:
+    return [
+        ComponentSpec(
+            Kind.ENVIRONMENT,
+            "calculator",
+            Calculator,
+            "arithmetic tool: <calc>expr</calc> returns the value, <answer>x</answer> ends",
+            CalculatorConfig,
         ),
     ]

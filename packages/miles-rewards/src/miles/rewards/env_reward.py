@@ -1,0 +1,24 @@
+"""`env`: the reward a multi-turn environment accumulated over the episode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles.core.types import Sample
+
+
+@dataclass
+class EnvRewardConfig:
+    pass
+
+
+class EnvReward:
+    deterministic = True
+
+    def __init__(self, config: EnvRewardConfig) -> None:
+        self.config = config
+
+    async def __call__(self, response: str, sample: Sample) -> float:
+        if "env_reward" not in sample.metadata:
+            raise KeyError("no env_reward on this sample: use rollout.function: multi_turn")
+        return float(sample.metadata["env_reward"])
