@@ -116,3 +116,61 @@ def write_config(path: Path, assets: dict[str, str], **sections: Any) -> Path:
             config[key] = value
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+# ── installing distributions for real: wheels into throwaway virtual environments ───────────────
+# Each venv gets only the wheels under test, installed by pip, so entry points and console scripts
+# are real. Third-party dependencies (pluggy, click, ...) are linked in from this environment, so
+# no network is needed; every miles-* distribution is left out of that link-in.
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sh(*args: str | Path, **kw: Any) -> str:
+    """Runs a command; fails the test with its output unless it exits 0. Returns stdout."""
+    out = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300, **kw)
+    assert out.returncode == 0, f"{args}\n{out.stdout}\n{out.stderr}"
+    return str(out.stdout)
+
+
+def build_wheel(source: Path, out: Path) -> Path:
+    """Builds one project's wheel into `out` (no build isolation: hatchling comes from here)."""
+    before = set(out.glob("*.whl"))
+    sh(*_PIP_WHEEL, "-w", out, source)
+    (wheel,) = set(out.glob("*.whl")) - before
+    return wheel
+
+
+_PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation")
+
+
+def _is_miles(entry: str) -> bool:
+    lowered = entry.lower().replace("-", "_")
+    return lowered.startswith(("miles", "__editable__.miles", "_miles"))
+
+
+def make_venv(path: Path, *wheels: Path) -> Path:
+    """A virtual environment holding exactly these wheels, plus this environment's third parties."""
+    import sysconfig
+    import venv
+
+    venv.EnvBuilder(with_pip=False).create(path)
+    site = Path(sysconfig.get_paths(vars={"base": str(path), "platbase": str(path)})["purelib"])
+    here = Path(sysconfig.get_paths()["purelib"])
+    for entry in here.iterdir():
+        if not _is_miles(entry.name) and entry.name != "__pycache__":
+            (site / entry.name).symlink_to(entry)
+    pip = (sys.executable, "-m", "pip", "--python", path / "bin/python", "install", "-q")
+    sh(*pip, "--no-deps", "--no-index", *wheels)
+    return path
+
+
+def venv_env() -> dict[str, str]:
+    """This process's environment without MILES_* and PYTHON* variables, for a venv's commands."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("MILES_", "PYTHON"))}
+
+
+@pytest.fixture(scope="session")
+def core_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """miles-core, built once per session."""
+    return build_wheel(ROOT / "packages/miles-core", tmp_path_factory.mktemp("core-wheel"))

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from miles.core.types import GenerateRequest, SamplingParams
-from miles.torch.engine import TorchRolloutEngine
+from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.testing import make_tiny_model
 
 MODELS = {

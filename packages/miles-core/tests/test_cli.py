@@ -78,7 +78,9 @@ def test_components_list_filters_by_kind(plant: PlantFn) -> None:
     assert bad.exit_code == 2 and "unknown kind 'rewards'" in bad.output
 
 
-@pytest.mark.parametrize("args", [["--help"], ["plugins", "--help"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["plugins", "--help"], ["plugins", "list"], ["components", "list"]]
+)
 def test_help_is_fast_and_imports_no_heavy_modules(args: list[str]) -> None:
     code = (
         "import sys, time; t=time.perf_counter(); from miles.core.cli import main\n"

@@ -41,7 +41,7 @@ class _Scripted:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from miles.torch.engine import TorchRolloutEngine
+    from miles.torch.engine.engine import TorchRolloutEngine
     from miles.torch.testing import make_tiny_model
 
     path = make_tiny_model(Path(tmp_path_factory.mktemp("m")), arch="qwen3", seed=1)

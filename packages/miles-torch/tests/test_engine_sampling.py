@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from miles.core.types import GenerateRequest, SamplingParams
-from miles.torch.engine import TorchRolloutEngine
+from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.engine.loader import eos_token_ids
 from miles.torch.engine.sampler import SamplingTensors, sample
 

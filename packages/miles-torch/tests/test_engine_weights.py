@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from miles.core.checksum import tensors_checksum
 from miles.core.types import GenerateRequest, SamplingParams
-from miles.torch.engine import TorchRolloutEngine
+from miles.torch.engine.engine import TorchRolloutEngine
 
 torch.set_num_threads(1)
 

@@ -1,5 +1,4 @@
-"""The native torch rollout engine (`TorchRolloutEngine`)."""
+"""The native torch rollout engine: `engine.TorchRolloutEngine`, configured by `config.TorchEngineConfig`.
 
-from miles.torch.engine.engine import TorchRolloutEngine
-
-__all__ = ["TorchRolloutEngine"]
+Nothing is imported here, so reading the config section does not pull in torch or transformers.
+"""
