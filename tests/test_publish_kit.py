@@ -113,3 +113,11 @@ def test_check_fails_bad_rewards_saying_what_is_wrong(tmp_path: Path, core_wheel
     for line, start in zip(failures, expected, strict=True):
         assert line.replace("ray.cloudpickle", "cloudpickle").startswith(start), line
     assert "miles-reward-bad 0.1.0: 4 of 32 checks failed" in proc.stdout
+
+
+def test_every_builtin_reward_passes_its_own_conformance_check() -> None:
+    from .conftest import run_miles
+
+    proc = run_miles("plugins", "check", "miles-rewards", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "all checks passed" in proc.stdout + proc.stderr

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import inspect
 import math
 import numbers
@@ -94,6 +95,10 @@ def default_sample() -> Sample:
             "solution": "6 * 7 = 42",
         },
     )
+
+
+def _with_row(sample: Sample, row: dict[str, Any]) -> Sample:
+    return dataclasses.replace(sample, metadata={**sample.metadata, **row})
 
 
 def sample_cases() -> list[Case]:
@@ -407,6 +412,20 @@ async def acheck_reward(
         raise ValueError("cases must hold at least one Case (or be None for the built-in ones)")
     name, spec, reward = _resolve(target)
     results: list[CheckResult] = []
+    # A reward class may declare what a realistic check needs: `conformance_example = {"row":
+    # {...data-row fields...}, "config": {...options...}}`, or `conformance_skip = "why"` when it
+    # cannot be checked offline (it calls a service).
+    declared = spec.factory if spec is not None else type(reward)
+    skip = getattr(declared, "conformance_skip", None)
+    if skip:
+        return [CheckResult(name, c, "SKIP", str(skip)) for c in CHECKS]
+    example = getattr(declared, "conformance_example", None) or {}
+    if config is None and example.get("config") and spec is not None and spec.config is not None:
+        config = spec.config(**example["config"])
+    if cases is None and example.get("row"):
+        cases = [
+            Case(c.label, c.response, _with_row(c.sample, example["row"])) for c in sample_cases()
+        ]
 
     def add(check: str, status: Status, detail: str) -> None:
         results.append(CheckResult(name, check, status, detail))

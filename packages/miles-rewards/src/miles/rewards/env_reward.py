@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from miles.core.types import Sample
 
@@ -14,6 +15,9 @@ class EnvRewardConfig:
 
 class EnvReward:
     deterministic = True
+    reward_range = (float("-inf"), float("inf"))
+    # What a multi-turn episode leaves on the sample (see miles.core.conformance).
+    conformance_example: ClassVar[dict[str, Any]] = {"row": {"env_reward": 1.0}}
 
     def __init__(self, config: EnvRewardConfig) -> None:
         self.config = config

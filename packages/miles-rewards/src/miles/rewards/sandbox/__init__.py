@@ -1,0 +1,9 @@
+"""A sandbox for untrusted (model-written) Python: `run_python(code, stdin=..., limits=...)`.
+
+What is enforced, how, and the fallbacks where the system does not allow it: docs/sandbox.md.
+"""
+
+from miles.rewards.sandbox.datatypes import SandboxLimits, SandboxResult, Status
+from miles.rewards.sandbox.runner import Sandbox, SandboxError, run_python
+
+__all__ = ["Sandbox", "SandboxError", "SandboxLimits", "SandboxResult", "Status", "run_python"]
