@@ -2,7 +2,8 @@
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -21,3 +22,25 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
         return make_tiny_model(tmp_path_factory.mktemp(f"{arch}_{seed}"), arch=arch, seed=seed)
 
     return make
+
+
+@pytest.fixture
+def make_trainer() -> Iterator[Callable[..., Any]]:
+    """Builds single-rank FSDP trainers; closes them (and the process group) after the test."""
+    from miles.core.runtime.process import free_port
+    from miles.torch.train.config import FSDPConfig
+    from miles.torch.train.fsdp import FSDPTrainer
+
+    made: list[Any] = []
+    port = free_port()
+
+    def make(path: str, **cfg: Any) -> Any:
+        trainer = FSDPTrainer(
+            FSDPConfig(**cfg), path, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port
+        )
+        made.append(trainer)
+        return trainer
+
+    yield make
+    for trainer in reversed(made):
+        trainer.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -37,12 +36,6 @@ def sft(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return -inputs.logprobs, {}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_batch(shapes: list[tuple[int, int]], seed: int = 0) -> PackedBatch:
     """(prompt_len, response_len) per sample; random tokens, alternating-sign advantages."""
     rng = np.random.default_rng(seed)
@@ -64,29 +57,6 @@ SHAPES = [(3, 6), (8, 1), (1, 0), (5, 20), (4, 4), (2, 9)]  # a 25-token and a 1
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen3", vocab_size=VOCAB)
-
-
-@pytest.fixture
-def make_trainer():
-    """Builds single-rank trainers; closes them (and the process group) after the test."""
-    made: list[FSDPTrainer] = []
-    port = free_port()
-
-    def make(path: str, **cfg) -> FSDPTrainer:
-        trainer = FSDPTrainer(
-            FSDPConfig(**cfg),
-            path,
-            rank=0,
-            world_size=1,
-            master_addr="127.0.0.1",
-            master_port=port,
-        )
-        made.append(trainer)
-        return trainer
-
-    yield make
-    for trainer in reversed(made):
-        trainer.close()
 
 
 def weights(trainer: FSDPTrainer) -> dict[str, torch.Tensor]:

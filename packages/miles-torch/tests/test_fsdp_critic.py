@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from miles.core.protocols import LossInputs
+from miles.core.runtime.process import free_port
 from miles.core.types import PackedBatch, Sample
 from miles.torch.testing import make_tiny_model
 from miles.torch.train.config import FSDPConfig
@@ -41,12 +41,6 @@ def mse(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 def policy_sft(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return -inputs.logprobs, {}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_batch(seed: int = 0) -> PackedBatch:
@@ -78,24 +72,6 @@ def weighted_error(batch: PackedBatch, values: np.ndarray) -> float:
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), arch="qwen3", vocab_size=VOCAB)
-
-
-@pytest.fixture
-def make_trainer():
-    """Builds single-rank trainers; closes them (and the process group) after the test."""
-    made: list[FSDPTrainer] = []
-    port = free_port()
-
-    def make(path: str, **cfg) -> FSDPTrainer:
-        trainer = FSDPTrainer(
-            FSDPConfig(**cfg), path, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port
-        )
-        made.append(trainer)
-        return trainer
-
-    yield make
-    for trainer in reversed(made):
-        trainer.close()
 
 
 def critic_weights(trainer: FSDPTrainer) -> dict[str, torch.Tensor]:

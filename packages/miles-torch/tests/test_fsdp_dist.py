@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from miles.core.runtime.process import free_port
 from miles.core.types import PackedBatch, Sample
 from miles.torch.testing import make_tiny_model
 from miles.torch.train.microbatch import plan_micro_batches
@@ -24,12 +24,6 @@ WORKER = Path(__file__).with_name("fsdp_dist_worker.py")
 VOCAB = 128
 SHAPES = [(3, 6), (8, 1), (1, 0), (5, 20), (4, 4), (2, 9)]
 BUDGET = 12  # the worker's micro_batch_tokens
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_batch(model_path: str) -> PackedBatch:
