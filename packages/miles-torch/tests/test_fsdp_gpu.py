@@ -117,3 +117,53 @@ def test_sleep_frees_the_gpu_and_wake_resumes_exactly(trainers):
     assert sleeper.train_step(batch, sft) == control.train_step(batch, sft)
     for (name, a), (_, b) in zip(sleeper.named_weights(), control.named_weights(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_offloaded_reference_equals_the_copy_on_gpu(trainers) -> None:
+    _, make = trainers
+    batch = make_batch()
+    copy = make(lr=1e-3, ref_model=True, ref_mode="copy")
+    offload = make(lr=1e-3, ref_model=True, ref_mode="offload")
+    for _ in range(2):
+        a, b = copy.logprobs(batch), offload.logprobs(batch)
+        np.testing.assert_array_equal(a["ref_logprobs"], b["ref_logprobs"])
+        np.testing.assert_array_equal(a["logprobs"], b["logprobs"])
+        copy.train_step(batch, sft)
+        offload.train_step(batch, sft)
+    assert np.abs(a["ref_logprobs"] - a["logprobs"]).max() > 1e-4
+
+
+def _mse(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    assert inputs.values is not None and inputs.returns is not None
+    return 0.5 * (inputs.values - inputs.returns).square(), {}
+
+
+def test_critic_learns_and_survives_sleep_on_gpu(trainers) -> None:
+    _, make = trainers
+    batch = make_batch()
+    trainer = make(lr=1e-3, critic=True)
+    batch.returns = (batch.loss_mask * 0.5).astype(np.float32)
+    before = trainer.values(batch)
+    for _ in range(5):
+        trainer.train_value_step(batch, _mse)
+    mask = batch.loss_mask > 0
+    after = trainer.values(batch)
+    err = lambda v: float(((v - batch.returns) ** 2)[mask].mean())  # noqa: E731
+    assert err(after) < 0.5 * err(before)
+    params = [*trainer.model.parameters(), *trainer.critic.parameters()]
+    moments = [
+        v
+        for opt in (trainer.optimizer, trainer.critic_optimizer)
+        for st in opt.state.values()
+        for k, v in st.items()
+        if k != "step"
+    ]
+    resident = sum(t.numel() * t.element_size() for t in params + moments)
+    del params, moments  # hold no reference to GPU storage while measuring
+    torch.cuda.synchronize()
+    awake = torch.cuda.memory_allocated()
+    trainer.sleep()
+    # Policy, critic and both optimizers' state left the GPU.
+    assert awake - torch.cuda.memory_allocated() >= 0.95 * resident
+    trainer.wake()
+    np.testing.assert_array_equal(trainer.values(batch), after)
