@@ -57,6 +57,106 @@ def miles_register_losses():
     return [ComponentSpec(Kind.LOSS, "scaled_pg", ScaledPG, "REINFORCE, scaled", ScaledPGConfig)]
 '''
 LOSS_PLUGIN_DIST = "miles_test_loss_plugin-0.1.0.dist-info"
+# Fault injection for the chaos tests: the real torch engine and FSDP trainer, which fail once at
+# a chosen point. A marker file (created exclusively) makes the fault happen exactly once per run,
+# whichever actor gets there first; restarted actors then behave.
+CHAOS_PLUGIN = '''
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import ray
+
+from miles.core import ComponentSpec, Kind, hookimpl
+from miles.torch.engine.config import TorchEngineConfig
+from miles.torch.train.config import FSDPConfig
+
+
+def _claim(marker):
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+
+def _die():
+    """ray.kill this very actor, as an operator (or a preempting scheduler) would."""
+    ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+    time.sleep(3600)
+
+
+@dataclass
+class ChaosEngineConfig(TorchEngineConfig):
+    fault: str = "none"  # kill | hang
+    at_call: int = 2  # the generate call (in this process) that fails, after its first result
+    marker: str = ""
+    step_delay_s: float = 0.0  # a slow engine: this long per model step
+
+
+def make_engine(config, model_path, *, device, seed):
+    from miles.torch.engine.engine import TorchRolloutEngine
+
+    class ChaosEngine(TorchRolloutEngine):
+        calls = 0
+
+        def generate(self, requests):
+            inner = super().generate(requests)
+            ChaosEngine.calls += 1
+            if config.fault == "none" or ChaosEngine.calls != config.at_call:
+                return inner
+            if not _claim(config.marker):
+                return inner
+            return self._failing(inner)
+
+        def _step(self, batch, pending):
+            time.sleep(config.step_delay_s)
+            return super()._step(batch, pending)
+
+        def _failing(self, inner):
+            yield next(inner)  # one request finishes, the others are mid-generation
+            if config.fault == "kill":
+                _die()
+            threading.Event().wait()  # hang: never return, never raise
+
+    return ChaosEngine(
+        model_path, device=device, dtype=config.dtype, max_batch_size=config.max_batch_size,
+        seed=seed,
+    )
+
+
+@dataclass
+class ChaosFSDPConfig(FSDPConfig):
+    kill_at_train_step: int = 0  # the train_step call (in this process) that dies; 0: none
+    marker: str = ""
+
+
+def make_trainer(config, model_path, **kwargs):
+    from miles.torch.train.fsdp import FSDPTrainer
+
+    class ChaosTrainer(FSDPTrainer):
+        calls = 0
+
+        def train_step(self, batch, loss):
+            ChaosTrainer.calls += 1
+            if ChaosTrainer.calls == config.kill_at_train_step and _claim(config.marker):
+                _die()
+            return super().train_step(batch, loss)
+
+    return ChaosTrainer(config, model_path, **kwargs)
+
+
+@hookimpl
+def miles_register_rollout_backends():
+    return [ComponentSpec(Kind.ROLLOUT_BACKEND, "chaos_torch", make_engine, "faulty", ChaosEngineConfig)]
+
+
+@hookimpl
+def miles_register_train_backends():
+    return [ComponentSpec(Kind.TRAIN_BACKEND, "chaos_fsdp", make_trainer, "faulty", ChaosFSDPConfig)]
+'''
+CHAOS_PLUGIN_DIST = "miles_test_chaos-0.1.0.dist-info"
 TEST_MODULES = Path(__file__).parent / "_modules"
 
 
@@ -73,6 +173,14 @@ def run_miles(
         "Requires-Dist: miles-core>=0.1,<0.2\n"
     )
     (info / "entry_points.txt").write_text("[miles]\nloss = miles_test_loss_plugin\n")
+    (TEST_MODULES / "miles_test_chaos.py").write_text(CHAOS_PLUGIN)
+    info = TEST_MODULES / CHAOS_PLUGIN_DIST
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: miles-test-chaos\nVersion: 0.1.0\n"
+        "Requires-Dist: miles-core>=0.1,<0.2\n"
+    )
+    (info / "entry_points.txt").write_text("[miles]\nchaos = miles_test_chaos\n")
     pythonpath = os.pathsep.join(filter(None, [str(TEST_MODULES), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "CI": "1", "RAY_DEDUP_LOGS": "0", "PYTHONPATH": pythonpath, **(env or {})}
     return subprocess.run(

@@ -34,7 +34,7 @@ REQUIRED_METRICS = {
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory, tiny_assets: dict[str, str]) -> Path:
     root = tmp_path_factory.mktemp("run")
-    cfg = write_config(root / "cfg.yaml", tiny_assets, checkpoint={"every": 1, "keep": 2})
+    cfg = write_config(root / "cfg.yaml", tiny_assets, checkpoint={"every": 1, "keep_last": 2})
     run_dir = root / "run"
     proc = run_miles("run", str(cfg), "--run-dir", str(run_dir), "--set", "steps=3")
     assert proc.returncode == 0, proc.stderr[-4000:]

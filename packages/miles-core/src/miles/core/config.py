@@ -1,7 +1,8 @@
 """The run config: one YAML file, one typed section per component.
 
 Top-level keys are a contract: name, seed, steps, mode, model, data, rollout, reward, filters,
-algorithm, train, precision, lora, moe, async, checkpoint, telemetry (plus warmstart and eval).
+algorithm, train, precision, lora, moe, async, checkpoint, telemetry (plus placement, fault,
+warmstart and eval).
 A section that names a component (``reward: {name: exact_match, answer_key: label}``) keeps the
 component's own options aside; `validate` checks them against that component's config dataclass,
 before any worker starts.
@@ -21,6 +22,7 @@ from miles.core.components import Kind
 from miles.core.configtools import ConfigError, build, closest, to_dict
 
 Mode = Literal["sync", "one_step_off", "async"]
+Placement = Literal["disaggregated", "colocated"]
 
 
 @dataclass
@@ -153,14 +155,53 @@ class MoEConfig:
 
 @dataclass
 class AsyncConfig:
+    """How far rollout may run ahead of training (modes one_step_off and async)."""
+
+    # The oldest weights a trained sample may come from, in weight versions behind the trainer's.
+    # In async mode it is also how many steps ahead rollout may start.
     max_staleness: int = 1
+    # Finished groups the buffer holds, at most; 0: two steps' worth (2 x prompts_per_step).
+    buffer_size: int = 0
+    # A sample older than max_staleness when the trainer takes it: dropped, or generated again.
+    stale: Literal["drop", "regenerate"] = "drop"
+    # Requests in flight when new weights arrive: finished with the new weights from where they
+    # stopped ("continue": a partial rollout, each token keeps its weight version), or started
+    # again from the prompt ("requeue").
+    on_weight_update: Literal["continue", "requeue"] = "continue"
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0 or self.buffer_size < 0:
+            raise ValueError("async.max_staleness and async.buffer_size must be >= 0")
+
+
+@dataclass
+class FaultConfig:
+    """Supervision of the actors: health checks, time-outs, restarts with capped back-off."""
+
+    health_check_s: float = 10.0  # how often each engine is asked for its health
+    request_timeout_s: float = 300.0  # an engine silent this long inside generate is hung
+    max_engine_restarts: int = 3  # per engine; past it the run fails
+    max_train_restarts: int = 2  # restarts of the train group from its latest checkpoint
+    backoff_s: float = 1.0  # the first retry waits this long, each next one twice as long,
+    backoff_max_s: float = 30.0  # up to this
+
+    def __post_init__(self) -> None:
+        if min(self.health_check_s, self.request_timeout_s) <= 0:
+            raise ValueError("fault.health_check_s and fault.request_timeout_s must be > 0")
+        if min(self.max_engine_restarts, self.max_train_restarts) < 0:
+            raise ValueError("fault.max_engine_restarts and max_train_restarts must be >= 0")
 
 
 @dataclass
 class CheckpointConfig:
     every: int = 0  # save every N steps; 0: only at the end
-    keep: int = 2
+    keep_last: int = 2  # the newest N checkpoints are kept; 0: all
+    keep_every: int = 0  # also keep, for good, each checkpoint whose step + 1 is a multiple of N
     at_end: bool = True
+
+    def __post_init__(self) -> None:
+        if min(self.every, self.keep_last, self.keep_every) < 0:
+            raise ValueError("checkpoint.every, keep_last and keep_every must be >= 0")
 
 
 @dataclass
@@ -175,6 +216,9 @@ class RunConfig:
     seed: int = 0
     steps: int = 10
     mode: Mode = "sync"
+    # disaggregated: trainer and engines on separate GPUs. colocated: each engine shares a train
+    # rank's GPU, and the two take turns holding their memory.
+    placement: Placement = "disaggregated"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -187,6 +231,7 @@ class RunConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -335,10 +380,26 @@ def _check_run_shape(config: RunConfig) -> list[str]:
             "train-inference correction: set algorithm.correction (tis, mis or icepop) or "
             "algorithm.old_logprobs: rollout"
         )
-    elif config.mode != "sync":
+    per_step = config.rollout.prompts_per_step
+    if config.mode == "async" and 0 < config.async_.buffer_size < per_step:
         problems.append(
-            f"mode: {config.mode!r} is not supported by miles-core {_core_version()} yet; use 'sync'"
+            f"async.buffer_size: {config.async_.buffer_size} groups cannot hold one step's "
+            f"{per_step} (rollout.prompts_per_step); raise it, or 0 for the default"
         )
+    if config.placement == "colocated":
+        if config.mode != "sync":
+            problems.append(
+                f"placement: colocated engines give the GPUs to the trainer while it trains, so "
+                f"rollout cannot overlap training as mode {config.mode!r} needs; use "
+                "placement: disaggregated, or mode: sync"
+            )
+        if config.rollout.gpus_per_engine != 1 or config.rollout.engines > config.train.world_size:
+            problems.append(
+                "placement: colocated puts engine i on train rank i's GPU: it needs "
+                "rollout.gpus_per_engine: 1 and rollout.engines <= train.world_size "
+                f"(got {config.rollout.gpus_per_engine} and {config.rollout.engines} > "
+                f"{config.train.world_size})"
+            )
     if config.lora is not None:
         problems.append("lora: no installed precision plugin provides LoRA yet; remove the key")
     if config.moe.routing_replay != "off":
@@ -371,9 +432,3 @@ __all__ = [
     "parse",
     "validate",
 ]
-
-
-def _core_version() -> str:
-    from miles.core import __version__
-
-    return __version__

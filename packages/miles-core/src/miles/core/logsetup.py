@@ -45,6 +45,11 @@ class _EventsFile:
         return event_dict
 
 
+def _without_traceback(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    event_dict.pop("exception", None)
+    return event_dict
+
+
 def configure_logging(
     fmt: LogFormat = "auto", level: str = "info", events_path: Path | None = None
 ) -> None:
@@ -63,6 +68,8 @@ def configure_logging(
     ]
     if events_path is not None:
         processors.append(_EventsFile(events_path))
+        # The traceback is in events.jsonl; the console keeps the one-line message.
+        processors.append(_without_traceback)
     if fmt == "console":
         processors.append(structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
     else:

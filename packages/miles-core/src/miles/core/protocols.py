@@ -27,13 +27,21 @@ class RolloutEngine(Protocol):
         """Yields each result as soon as its sequence finishes (a stream, not a batch)."""
         ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copies the given tensors into the model (Hugging Face names) and sets the version."""
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None
+    ) -> None:
+        """Copies the given tensors into the model (Hugging Face names) and sets the version
+        (None: keeps it, for one part of a load that arrives in several)."""
         ...
+
+    def set_weight_version(self, version: int) -> None: ...
 
     def weights_checksum(self) -> str: ...
 
-    def pause(self) -> None: ...
+    def pause(self) -> None:
+        """A running `generate` stops at its next step and yields every unfinished request with
+        finish_reason "abort" and its tokens so far."""
+        ...
 
     def resume(self) -> None: ...
 
@@ -41,7 +49,15 @@ class RolloutEngine(Protocol):
 
     def resume_memory(self) -> None: ...
 
-    def health(self) -> dict[str, Any]: ...
+    def health(self) -> dict[str, Any]:
+        """At least {"ok": bool, "paused": bool}."""
+        ...
+
+    def get_rng_state(self) -> str:
+        """The sampling RNG's state, as text (it goes into checkpoints' JSON)."""
+        ...
+
+    def set_rng_state(self, state: str) -> None: ...
 
 
 @dataclass

@@ -5,6 +5,7 @@ Every check that can fail on user input happens here, before Ray or any worker s
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,10 @@ def _yaml_scalar(value: Any) -> str:
 
 
 def run_from_cli(request: RunRequest) -> int:
+    if not request.ray_address:
+        # The local Ray this run starts requires Ray's auth token on every connection. Ray reads
+        # the mode once, on import: set it before anything imports ray.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     try:
         config, run_dir, _ = resolve_config(request)
     except ConfigError as exc:
@@ -108,7 +113,13 @@ def run_from_cli(request: RunRequest) -> int:
     manager = get_plugin_manager()
     configure_logging(request.log_format, request.log_level, events_path=run_dir / "events.jsonl")  # type: ignore[arg-type]
     configure_tracing(run_dir, service_name="miles.controller")
-    controller = Controller(config, run_dir, ray_address=request.ray_address, resume=request.resume)
+    try:
+        controller = Controller(
+            config, run_dir, ray_address=request.ray_address, resume=request.resume
+        )
+    except FileNotFoundError as exc:  # --resume without a usable checkpoint
+        click.secho(f"error: {exc}", fg="red", err=True)
+        return 2
     write_manifest(
         run_dir,
         run_id=controller.info.run_id,

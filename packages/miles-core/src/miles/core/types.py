@@ -84,8 +84,26 @@ class GenerateResult:
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: int
+    # The weights' version; a list, one per response token, when the request was paused for a
+    # weight update and finished with the new weights (a partial rollout).
+    weight_version: int | list[int]
     routing: npt.NDArray[np.integer[Any]] | None = None
+
+
+def token_versions(version: int | list[int], num_tokens: int) -> list[int]:
+    """One weight version per token, whichever form `version` has."""
+    if isinstance(version, list):
+        if len(version) != num_tokens:
+            raise ValueError(f"{len(version)} weight versions for {num_tokens} tokens")
+        return list(version)
+    return [version] * num_tokens
+
+
+def oldest_version(version: int | list[int]) -> int:
+    """The version the oldest token came from (what staleness is measured by)."""
+    if isinstance(version, list):
+        return min(version) if version else 0
+    return int(version)
 
 
 @dataclass

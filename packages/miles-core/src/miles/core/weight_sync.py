@@ -107,6 +107,15 @@ class SyncGroup:
         else:
             self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
+    def close(self) -> None:
+        """Drops the group (before a new one replaces it, e.g. after an engine restart)."""
+        import contextlib
+
+        with contextlib.suppress(Exception):  # a group whose peer died may not shut down cleanly
+            if hasattr(self._pg, "shutdown"):
+                self._pg.shutdown()
+        self._pg = None
+
     def _broadcast(self, tensor: torch.Tensor) -> None:
         import torch.distributed as dist
 

@@ -33,7 +33,7 @@ CONFIG: dict[str, Any] = {
     "train": {"backend": "fsdp", "world_size": 1, "lr": 3.0e-3, "micro_batch_tokens": 4096},
     "warmstart": {"steps": 100, "batch_size": 64},
     "eval": {"temperature": 0.0},
-    "checkpoint": {"keep": 1},
+    "checkpoint": {"keep_last": 1},
 }
 
 

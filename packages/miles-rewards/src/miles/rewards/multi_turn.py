@@ -18,7 +18,7 @@ from miles.core.configtools import ConfigError, build
 from miles.core.factory import build_component
 from miles.core.plugins import get_plugin_manager
 from miles.core.protocols import Environment, PromptGroup, RolloutContext
-from miles.core.types import GenerateRequest, Sample, SampleStatus
+from miles.core.types import GenerateRequest, Sample, SampleStatus, token_versions
 
 
 @dataclass
@@ -90,7 +90,7 @@ class MultiTurn:
             response += result.response_ids
             mask += [1] * len(result.response_ids)
             logprobs += result.logprobs
-            versions += [result.weight_version] * len(result.response_ids)
+            versions += token_versions(result.weight_version, len(result.response_ids))
             if result.finish_reason == "abort":
                 status = SampleStatus.ABORTED
                 break

@@ -1,63 +1,210 @@
-"""Batches generate requests from many concurrent rollout functions onto the engines.
+"""Batches generate requests from many concurrent rollout functions onto the ready engines.
 
 Rollout functions call `generate` one group at a time. Requests that arrive in the same event-loop
-tick are flushed together, split evenly over the engines, and streamed back: each awaiting caller
-resumes as soon as its own results are in, not when the whole batch is done.
+tick are flushed together, split evenly over the ready engines, and streamed back: each awaiting
+caller resumes as soon as its own results are in, not when the whole batch is done.
+
+Every request is accounted for until its result is delivered:
+- an engine that dies (actor error) or goes silent for `fault.request_timeout_s` is failed in
+  the pool (killed and restarted), and its unfinished requests go back in the queue for the
+  healthy engines;
+- a request cut short by a weight update ("abort") goes back in the queue too, either to finish
+  from where it stopped with the new weights (a partial rollout: each token keeps the version it
+  was sampled with) or to start again from its prompt, as `async.on_weight_update` says.
+While the queue is held (during a weight update, or with no ready engine) requests wait in it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
+from miles.core.runtime.engine_pool import EnginePool, EngineSlot
 from miles.core.telemetry import carrier
-from miles.core.types import GenerateRequest, GenerateResult
+from miles.core.types import GenerateRequest, GenerateResult, token_versions
+
+
+@dataclass
+class _Pending:
+    request: GenerateRequest  # as the rollout function made it
+    future: asyncio.Future[GenerateResult]
+    # Tokens made before a weight update cut the request short (kept with on_weight_update:
+    # continue), with their logprobs and weight versions.
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def next_request(self) -> GenerateRequest:
+        """The original request, or its continuation after the tokens made so far."""
+        if not self.tokens:
+            return self.request
+        left = self.request.sampling.max_new_tokens - len(self.tokens)
+        return replace(
+            self.request,
+            prompt_ids=[*self.request.prompt_ids, *self.tokens],
+            sampling=replace(self.request.sampling, max_new_tokens=max(left, 0)),
+        )
 
 
 class EngineDispatcher:
-    def __init__(self, engines: list[Any]) -> None:
-        self.engines = engines
-        self._pending: list[tuple[GenerateRequest, asyncio.Future[GenerateResult]]] = []
+    def __init__(
+        self,
+        pool: EnginePool,
+        *,
+        request_timeout_s: float,
+        on_weight_update: Literal["continue", "requeue"] = "continue",
+    ) -> None:
+        self.pool = pool
+        self.request_timeout_s = request_timeout_s
+        self.on_weight_update = on_weight_update
+        self._queue: list[_Pending] = []
         self._flush_scheduled = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._held = False
+        self._running: set[asyncio.Task[None]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.requeued = 0  # requests sent again after an engine failure or a weight update
+        self._busy_since: float | None = None
+        self.busy_s = 0.0  # wall time with at least one request on an engine
+
+    # ── the rollout functions' side ──────────────────────────────────────────────────────────────
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in requests]
-        self._pending.extend(zip(requests, futures, strict=True))
+        pending = [_Pending(r, loop.create_future()) for r in requests]
+        self._queue.extend(pending)
+        self._schedule_flush()
+        return list(await asyncio.gather(*(p.future for p in pending)))
+
+    # ── the weight update's side ─────────────────────────────────────────────────────────────────
+
+    def hold(self) -> None:
+        """New and requeued requests wait until `release`."""
+        self._held = True
+
+    def release(self) -> None:
+        self._held = False
+        self._schedule_flush()
+
+    async def drained(self) -> None:
+        """Until no request is on any engine (paused engines hand theirs back quickly)."""
+        await self._idle.wait()
+
+    def kick(self) -> None:
+        """Something changed (an engine became ready): try to place waiting requests."""
+        self._schedule_flush()
+
+    # ── placement on engines ─────────────────────────────────────────────────────────────────────
+
+    def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            loop.call_soon(self._flush)
-        return list(await asyncio.gather(*futures))
+            asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        pending, self._pending = self._pending, []
-        shares = [pending[i :: len(self.engines)] for i in range(len(self.engines))]
+        engines = self.pool.ready()
+        if self._held or not engines or not self._queue:
+            return
+        queue, self._queue = self._queue, []
         trace = carrier()
-        for engine, share in zip(self.engines, shares, strict=True):
+        for i, slot in enumerate(engines):
+            share = queue[i :: len(engines)]
             if share:
-                task = asyncio.ensure_future(self._run(engine, share, trace))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._start(self._run(slot, share, trace))
 
-    async def _run(
-        self,
-        engine: Any,
-        share: list[tuple[GenerateRequest, asyncio.Future[GenerateResult]]],
-        trace: dict[str, str],
-    ) -> None:
-        by_id = {req.request_id: fut for req, fut in share}
+    def _start(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._running.add(task)
+        self._idle.clear()
+        if self._busy_since is None:
+            self._busy_since = time.perf_counter()
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        if not self._running:
+            self._idle.set()
+            if self._busy_since is not None:
+                self.busy_s += time.perf_counter() - self._busy_since
+                self._busy_since = None
+        self._schedule_flush()
+
+    async def _run(self, slot: EngineSlot, share: list[_Pending], trace: dict[str, str]) -> None:
+        by_id = {p.request.request_id: p for p in share}
+        slot.inflight += len(share)
+        handle = slot.handle
         try:
-            stream = engine.generate.options(num_returns="streaming").remote(
-                [req for req, _ in share], trace
+            stream = handle.generate.options(num_returns="streaming").remote(
+                [p.next_request() for p in share], trace
             )
-            async for ref in stream:
+            while by_id:
+                try:
+                    ref = await asyncio.wait_for(_next(stream), self.request_timeout_s)
+                except StopAsyncIteration:
+                    raise RuntimeError(
+                        f"engine returned no result for requests {sorted(by_id)}"
+                    ) from None
                 result: GenerateResult = await ref
-                by_id.pop(result.request_id).set_result(result)
-            if by_id:
-                raise RuntimeError(f"engine returned no result for requests {sorted(by_id)}")
+                self._deliver(by_id.pop(result.request_id), result)
+        except TimeoutError:
+            self._engine_failed(
+                slot,
+                handle,
+                f"hung: no result for {self.request_timeout_s:g}s inside generate "
+                "(fault.request_timeout_s)",
+                by_id,
+            )
         except Exception as exc:
-            for fut in by_id.values():
-                if not fut.done():
-                    fut.set_exception(exc)
+            if _is_actor_failure(exc):
+                self._engine_failed(slot, handle, f"{type(exc).__name__}: {exc}", by_id)
+            else:  # the engine refused the request itself: a real error for the caller
+                for p in by_id.values():
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+        finally:
+            slot.inflight = max(slot.inflight - len(share), 0)
+
+    def _engine_failed(
+        self, slot: EngineSlot, handle: Any, reason: str, unfinished: dict[int, _Pending]
+    ) -> None:
+        if slot.handle is handle:  # not already replaced by a restart
+            self.pool.fail(slot, reason)
+        self.requeued += len(unfinished)
+        self._queue.extend(unfinished.values())
+
+    def _deliver(self, pending: _Pending, result: GenerateResult) -> None:
+        versions = token_versions(result.weight_version, len(result.response_ids))
+        if result.finish_reason == "abort":
+            # Cut short by a weight update: finish it later, from here or from its prompt.
+            if self.on_weight_update == "continue":
+                pending.tokens += result.response_ids
+                pending.logprobs += result.logprobs
+                pending.versions += versions
+            else:
+                pending.tokens, pending.logprobs, pending.versions = [], [], []
+            self.requeued += 1
+            self._queue.append(pending)
+            return
+        if pending.tokens:
+            result = replace(
+                result,
+                response_ids=[*pending.tokens, *result.response_ids],
+                logprobs=[*pending.logprobs, *result.logprobs],
+                weight_version=[*pending.versions, *versions],
+            )
+        if not pending.future.done():
+            pending.future.set_result(result)
+
+
+async def _next(stream: Any) -> Any:
+    return await stream.__anext__()
+
+
+def _is_actor_failure(exc: BaseException) -> bool:
+    """The engine process died or became unreachable (not an error raised by its code)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(exc, ActorDiedError | ActorUnavailableError | RayActorError)

@@ -1,4 +1,9 @@
-"""The Ray actor around one rollout engine (any `RolloutEngine` backend)."""
+"""The Ray actor around one rollout engine (any `RolloutEngine` backend).
+
+The actor is threaded (`max_concurrency` > 1): `pause`, `health` and weight loading answer while
+a `generate` stream is running in another thread. The engine's own lock keeps model steps and
+weight loads apart.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,9 @@ from miles.core.runtime.process import init_actor_process
 from miles.core.telemetry import attached, span
 from miles.core.types import GenerateRequest, GenerateResult
 from miles.core.weight_sync import SyncGroup, SyncPlan
+
+# generate, pause, health and a weight load at once, with room to spare.
+MAX_CONCURRENCY = 8
 
 
 class EngineActor:
@@ -25,6 +33,7 @@ class EngineActor:
         seed: int,
         run_dir: str | None,
         num_threads: int | None,
+        sync_timeout_s: float = 600.0,
     ) -> None:
         init_actor_process(run_dir, role=f"engine{index}", num_threads=num_threads)
         self.index = index
@@ -38,6 +47,7 @@ class EngineActor:
             seed=seed + 7919 * index,
         )
         self.device = device
+        self.sync_timeout_s = sync_timeout_s
         self._sync: SyncGroup | None = None
 
     def generate(
@@ -48,13 +58,47 @@ class EngineActor:
             attached(trace_carrier),
             span("miles.generate", engine=self.index, requests=len(requests)),
         ):
+            if self.engine.health().get("paused"):
+                # Paused for a weight update before this call started: hand every request back
+                # untouched, so the dispatcher requeues it, rather than raising.
+                for r in requests:
+                    yield GenerateResult(r.request_id, [], [], "abort", self.weight_version())
+                return
             # A plain loop, not `yield from`: Ray drives this generator with send(), which must
             # not reach the engine's own generator.
             for result in self.engine.generate(requests):  # noqa: UP028
                 yield result
 
+    def pause(self) -> None:
+        """Unfinished requests come back now as "abort" results with their tokens so far."""
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+
     def init_sync(self, host: str, port: int, world_size: int, rank: int) -> None:
-        self._sync = SyncGroup(host, port, world_size, rank, device=self.device)
+        if self._sync is not None:
+            self._sync.close()
+        self._sync = SyncGroup(
+            host, port, world_size, rank, device=self.device, timeout_s=self.sync_timeout_s
+        )
+
+    def load_bucket(self, plan: SyncPlan, index: int, handle: Any) -> None:
+        """One bucket shared by a colocated trainer (CUDA IPC on GPU); copied in before return."""
+        from miles.core import ipc
+
+        ipc.consume(
+            plan.buckets[index], handle, lambda tensors: self.engine.load_weights(tensors, None)
+        )
+
+    def set_weight_version(self, version: int) -> None:
+        self.engine.set_weight_version(version)
 
     def receive_weights(self, plan: SyncPlan, version: int, trace_carrier: dict[str, str]) -> None:
         assert self._sync is not None, "init_sync first"
@@ -72,6 +116,12 @@ class EngineActor:
 
     def health(self) -> dict[str, Any]:
         return dict(self.engine.health())
+
+    def get_rng_state(self) -> str:
+        return str(self.engine.get_rng_state())
+
+    def set_rng_state(self, state: str) -> None:
+        self.engine.set_rng_state(state)
 
     def tokenizer_path(self) -> str:
         return str(getattr(self.engine, "model_path", ""))

@@ -1,8 +1,10 @@
 """Where actors run: Ray start-up, one placement group, and the actors in its bundles.
 
-Each train rank and each rollout engine gets a bundle of its own: one CPU, plus one GPU per train
-rank and `rollout.gpus_per_engine` GPUs per engine on a GPU cluster. The rollout manager only
-coordinates and takes no bundle.
+disaggregated: each train rank gets a bundle (one CPU, plus one GPU on a GPU cluster) and each
+engine a bundle of its own (one CPU, plus `rollout.gpus_per_engine` GPUs, which Ray keeps on one
+node). colocated: one bundle per train rank, and engine i shares rank i's bundle, each actor taking
+half of it. Bundles are handed out in (node, GPU) order (`bundles.assign`), so train ranks fill a
+node before the next. The rollout manager only coordinates and takes no bundle.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import structlog
 
 from miles.core.config import RunConfig
+from miles.core.runtime.engine_pool import EngineLauncher
 
 log = structlog.get_logger(__name__)
 
@@ -26,7 +29,11 @@ def use_gpus(config: RunConfig) -> bool:
 
 
 def start_ray(config: RunConfig, address: str | None) -> None:
-    """Joins `address`, or starts a local Ray sized for this run."""
+    """Joins `address`, or starts a local Ray sized for this run.
+
+    `miles run` turns Ray's token authentication on for a local Ray (see `runner`): every
+    connection must present the token Ray keeps in ~/.ray/auth_token.
+    """
     import ray
 
     if ray.is_initialized():
@@ -41,6 +48,47 @@ def start_ray(config: RunConfig, address: str | None) -> None:
         return
     needed = config.train.world_size + config.rollout.engines
     ray.init(num_cpus=max(os.cpu_count() or 1, needed), **common)
+    log.info(
+        "local Ray started",
+        address=ray.get_runtime_context().gcs_address,
+        auth=os.environ.get("RAY_AUTH_MODE", "disabled"),
+    )
+
+
+@dataclass
+class TrainLauncher:
+    """Starts the train group in its bundles (again after a failure, with a new rendezvous)."""
+
+    group: Any
+    bundles: list[int]  # bundle index of rank r
+    num_cpus: float
+    num_gpus: float
+    kwargs: dict[str, Any]  # TrainActor's keyword arguments, except rank and the rendezvous
+
+    def launch(self) -> list[Any]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from miles.core.runtime.train_actor import TrainActor
+
+        def at(bundle: int) -> PlacementGroupSchedulingStrategy:
+            return PlacementGroupSchedulingStrategy(self.group, bundle)
+
+        # The rendezvous lives where rank 0 will run: ask a task in rank 0's bundle.
+        probe = ray.remote(_address).options(num_cpus=0, scheduling_strategy=at(self.bundles[0]))
+        master_addr, master_port = ray.get(probe.remote())
+        return [
+            ray.remote(TrainActor)
+            .options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, scheduling_strategy=at(b))
+            .remote(
+                rank=rank,
+                world_size=len(self.bundles),
+                master_addr=master_addr,
+                master_port=master_port,
+                **self.kwargs,
+            )
+            for rank, b in enumerate(self.bundles)
+        ]
 
 
 @dataclass
@@ -49,78 +97,78 @@ class Placement:
     manager: Any
     engines: list[Any]
     group: Any
+    train_launcher: TrainLauncher
+    colocated: bool
+    gpus: bool
 
     @classmethod
     def create(cls, config: RunConfig, run_dir: str) -> Placement:
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from miles.core.runtime.engine_actor import EngineActor
+        from miles.core.runtime.bundles import assign, probe_bundles
         from miles.core.runtime.rollout_manager import RolloutManager
-        from miles.core.runtime.train_actor import TrainActor
 
         gpus = use_gpus(config)
+        colocated = config.placement == "colocated"
         n_train, n_engines = config.train.world_size, config.rollout.engines
         train_bundle = {"CPU": 1, **({"GPU": 1} if gpus else {})}
         engine_bundle = {"CPU": 1, **({"GPU": config.rollout.gpus_per_engine} if gpus else {})}
-        bundles = [train_bundle] * n_train + [engine_bundle] * n_engines
+        if colocated:
+            bundles, kinds = [train_bundle] * n_train, ["train"] * n_train
+        else:
+            bundles = [train_bundle] * n_train + [engine_bundle] * n_engines
+            kinds = ["train"] * n_train + ["engine"] * n_engines
         _check_capacity(bundles)
         group = placement_group(bundles, strategy="PACK")
         ray.get(group.ready(), timeout=300)
-
-        def at(index: int, bundle: dict[str, int]) -> dict[str, Any]:
-            return {
-                "num_cpus": bundle["CPU"],
-                "num_gpus": bundle.get("GPU", 0),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(group, index),
-            }
+        train_at, engine_at = assign(probe_bundles(group), kinds)  # type: ignore[arg-type]
+        if colocated:
+            engine_at = train_at[:n_engines]  # engine i shares train rank i's GPU
+        share = 0.5 if colocated else 1.0
+        log.info(
+            "placement", mode=config.placement, train_bundles=train_at, engine_bundles=engine_at
+        )
 
         # On CPU, give each actor its share of cores so they do not oversubscribe the machine.
         threads = None if gpus else max(1, (os.cpu_count() or 1) // (n_train + n_engines))
         device = "cuda" if gpus else "cpu"
         rollout_options = dict(config.rollout.options)
         rollout_options.setdefault("dtype", rollout_dtype(config))
-        # The trainers' rendezvous lives where rank 0 will run: ask a task in rank 0's bundle.
-        probe = ray.remote(_address).options(**at(0, {"CPU": 0}))
-        master_addr, master_port = ray.get(probe.remote())
-        trainers: list[Any] = [
-            ray.remote(TrainActor)
-            .options(**at(rank, train_bundle))
-            .remote(
-                rank=rank,
-                world_size=n_train,
-                master_addr=master_addr,
-                master_port=master_port,
-                config=config,
-                run_dir=run_dir,
-                device=device,
-                num_threads=threads,
-            )
-            for rank in range(n_train)
-        ]
-        engines: list[Any] = [
-            ray.remote(EngineActor)
-            .options(**at(n_train + i, engine_bundle))
-            .remote(
-                index=i,
-                backend=config.rollout.backend,
-                options=rollout_options,
-                model_path=config.model.path,
-                device=device,
-                seed=config.seed,
-                run_dir=run_dir,
-                num_threads=threads,
-            )
-            for i in range(n_engines)
-        ]
+        train_launcher = TrainLauncher(
+            group,
+            train_at,
+            num_cpus=share,
+            num_gpus=share if gpus else 0,
+            kwargs={"config": config, "run_dir": run_dir, "device": device, "num_threads": threads},
+        )
+        trainers = train_launcher.launch()
+        engine_launcher = EngineLauncher(
+            group,
+            engine_at,
+            num_cpus=share,
+            num_gpus=(share if colocated else config.rollout.gpus_per_engine) if gpus else 0,
+            kwargs={
+                "backend": config.rollout.backend,
+                "options": rollout_options,
+                "model_path": config.model.path,
+                "device": device,
+                "seed": config.seed,
+                "run_dir": run_dir,
+                "num_threads": threads,
+                "sync_timeout_s": config.fault.request_timeout_s,
+            },
+        )
+        engines = [engine_launcher.launch(i) for i in range(n_engines)]
         manager: Any = (
-            ray.remote(RolloutManager).options(num_cpus=0).remote(config, run_dir, engines)
+            ray.remote(RolloutManager)
+            .options(num_cpus=0)
+            .remote(config, run_dir, engines, engine_launcher)
         )
         # Surface constructor errors (bad checkpoint, missing file) here, not at the first step.
-        ray.get([e.health.remote() for e in engines] + [manager.get_state.remote()])
+        ray.get([e.health.remote() for e in engines] + [manager.weight_versions.remote()])
         ray.get([t.flush.remote() for t in trainers])
-        return cls(trainers=trainers, manager=manager, engines=engines, group=group)
+        return cls(trainers, manager, engines, group, train_launcher, colocated, gpus)
 
 
 def _check_capacity(bundles: list[dict[str, int]]) -> None:

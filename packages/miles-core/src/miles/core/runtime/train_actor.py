@@ -202,7 +202,10 @@ class TrainActor:
 
     def init_sync(self, host: str, port: int, world_size: int) -> None:
         if self.rank == 0:
-            self._sync = SyncGroup(host, port, world_size, 0, device=self.device)
+            if self._sync is not None:
+                self._sync.close()
+            timeout = self.config.fault.request_timeout_s
+            self._sync = SyncGroup(host, port, world_size, 0, device=self.device, timeout_s=timeout)
 
     def send_weights(self, plan: SyncPlan, version: int, trace: dict[str, str]) -> int:
         """Streams weights to the engines (collective over ranks; rank 0 broadcasts)."""
@@ -213,6 +216,41 @@ class TrainActor:
             for _ in self._rollout_weights():
                 pass  # other ranks join the all-gathers that materialise each full tensor
             return 0
+
+    def send_weights_ipc(
+        self, plan: SyncPlan, version: int, engines: list[Any], trace: dict[str, str]
+    ) -> int:
+        """Colocated: rank r hands each bucket to engine r on its own GPU (CUDA IPC), one round
+        trip per bucket (collective over ranks: every rank materialises every full tensor)."""
+        import ray
+
+        from miles.core import ipc
+
+        engine = engines[self.rank] if self.rank < len(engines) else None
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else "cpu"
+        )
+        sent = 0
+        with attached(trace), span("miles.weight_sync.ipc", version=version, rank=self.rank):
+            tensors = iter(self._rollout_weights())
+            for index, bucket in enumerate(plan.buckets):
+                flat = ipc.pack_bucket(bucket, tensors, device)
+                if engine is not None:
+                    ray.get(engine.load_bucket.remote(plan, index, ipc.share(flat)))
+                    sent += flat.numel() * flat.element_size()
+                del flat  # only now: the engine has copied out of it
+            if next(tensors, None) is not None:
+                raise RuntimeError("weight sync: the trainer has more tensors than the sync plan")
+            if engine is not None:
+                ray.get(engine.set_weight_version.remote(version))
+        return sent
+
+    def sleep(self) -> None:
+        """Colocated: weights and optimizer state to host memory while the engines generate."""
+        self.backend.sleep()
+
+    def wake(self) -> None:
+        self.backend.wake()
 
     def checksum(self) -> str:
         """Hash of the weights as engines should hold them (collective; rank 0's is used)."""

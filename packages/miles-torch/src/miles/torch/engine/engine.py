@@ -8,6 +8,8 @@ Sampling and logprobs live in `sampler`, the cache bookkeeping in `batch`.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -211,16 +213,49 @@ class TorchRolloutEngine:
             weight_version=self._weight_version,
         )
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None
+    ) -> None:
         """Copy Hugging Face-named tensors into the model (see `loader.copy_weights`), then set
-        the version; on a ValueError the version stays as it was."""
+        the version (None: keep it, for one bucket of several); on a ValueError the version stays
+        as it was."""
         with self._lock:
             copy_weights(self.model, named_tensors)
+            if version is not None:
+                self._weight_version = version
+
+    def set_weight_version(self, version: int) -> None:
+        with self._lock:
             self._weight_version = version
 
     def weights_checksum(self) -> str:
         with self._lock:
             return tensors_checksum(named_state(self.model))
+
+    def get_rng_state(self) -> str:
+        """The sampling generator's state as base64 text, for a checkpoint: restoring it with
+        `set_rng_state` makes the engine sample exactly what it would have sampled next."""
+        with self._lock:
+            return base64.b64encode(self._generator.get_state().numpy().tobytes()).decode("ascii")
+
+    def set_rng_state(self, state: str) -> None:
+        """Restore a state from `get_rng_state`; ValueError if it is not one for this device."""
+        try:
+            raw = base64.b64decode(state.encode("ascii"), validate=True)
+        except (binascii.Error, UnicodeEncodeError, AttributeError) as e:
+            raise ValueError(f"engine RNG state is not valid base64: {e}") from e
+        with self._lock:
+            expected = self._generator.get_state().numel()
+            if len(raw) != expected:
+                raise ValueError(
+                    f"engine RNG state has {len(raw)} bytes; a {self.device.type} generator "
+                    f"state has {expected}"
+                )
+            state_tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            try:
+                self._generator.set_state(state_tensor)
+            except RuntimeError as e:
+                raise ValueError(f"engine RNG state rejected by torch: {e}") from e
 
     def pause(self) -> None:
         self._paused = True

@@ -1,0 +1,101 @@
+"""Which bundle of a placement group gets which actor, by node and GPU.
+
+Ray numbers a placement group's bundles in the order they were requested, not by where they
+landed: bundle 3 may sit on the first node's GPU 0 and bundle 0 on the second node. Ranks that
+talk the most (neighbouring train ranks, an engine's GPUs) should be neighbours on the hardware,
+so we ask each bundle where it is and hand out bundles in (node, GPU) order.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+BundleKind = Literal["train", "engine"]
+
+
+@dataclass(frozen=True)
+class BundleInfo:
+    index: int  # the bundle's index in the placement group, as requested
+    node_id: str
+    node_ip: str
+    gpu_ids: tuple[int, ...]  # as `ray.get_gpu_ids()` reports them on that node
+
+    @property
+    def gpus(self) -> int:
+        return len(self.gpu_ids)
+
+
+def probe_bundles(group: Any) -> list[BundleInfo]:
+    """Runs one tiny task in each bundle of a ready placement group and reports where it ran.
+
+    A task only sees GPU ids for the GPUs it requested (with num_gpus=0, `ray.get_gpu_ids()` is
+    empty), so each probe asks for all of its bundle's GPUs: call this before the bundles are
+    filled with actors, or the probes wait for them.
+    """
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    probe = ray.remote(_where)
+    refs = [
+        probe.options(
+            num_cpus=0,
+            num_gpus=spec.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, index),
+        ).remote(index)
+        for index, spec in enumerate(group.bundle_specs)
+    ]
+    infos: list[BundleInfo] = ray.get(refs, timeout=300)
+    return infos
+
+
+def order_bundles(infos: Sequence[BundleInfo]) -> list[BundleInfo]:
+    """Bundles by node (IP, numerically: 10.0.0.9 before 10.0.0.10), then by first GPU id."""
+    return sorted(infos, key=lambda b: (_ip_key(b.node_ip), b.node_id, min(b.gpu_ids, default=-1)))
+
+
+def assign(infos: Sequence[BundleInfo], kinds: Sequence[BundleKind]) -> tuple[list[int], list[int]]:
+    """Bundle indexes for train ranks and for engines, each in (node, GPU) order.
+
+    `kinds[i]` is what bundle `i` was requested for (train and engine bundles have different
+    shapes, so they cannot be swapped). Train rank r goes to the r-th returned index: ranks fill
+    a node before the next, and rank 0 sits on the first node.
+    """
+    if sorted(b.index for b in infos) != list(range(len(kinds))):
+        raise ValueError(
+            f"{len(infos)} bundle infos (indexes {sorted(b.index for b in infos)}) do not cover "
+            f"the {len(kinds)} bundles of the group"
+        )
+    train: list[int] = []
+    engines: list[int] = []
+    for info in order_bundles(infos):
+        kind = kinds[info.index]
+        if kind == "train":
+            train.append(info.index)
+        elif kind == "engine":
+            engines.append(info.index)
+        else:
+            raise ValueError(f"bundle {info.index}: unknown kind {kind!r}")
+    return train, engines
+
+
+def _ip_key(ip: str) -> tuple[int, int, str]:
+    """IPv4 before IPv6, each numerically; anything that is not an address (a host name) last."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return (7, 0, ip)
+    return (address.version, int(address), "")
+
+
+def _where(index: int) -> BundleInfo:
+    import ray
+
+    return BundleInfo(
+        index=index,
+        node_id=ray.get_runtime_context().get_node_id(),
+        node_ip=ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+        gpu_ids=tuple(sorted(int(g) for g in ray.get_gpu_ids())),
+    )

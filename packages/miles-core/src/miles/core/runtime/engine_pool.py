@@ -1,0 +1,178 @@
+"""The rollout engines under supervision: health checks, restarts with capped back-off.
+
+Each engine lives in a slot. A slot is `ready` (takes requests), `down` (dead or hung; a restart
+is under way) or `stale` (restarted, holding the base model's weights until the controller's next
+weight sync brings it to the current version). Only ready engines get requests. An engine that
+fails more than `fault.max_engine_restarts` times makes the run fail with the last error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import structlog
+
+from miles.core.config import FaultConfig
+
+log = structlog.get_logger(__name__)
+
+SlotState = Literal["ready", "down", "stale"]
+
+
+class EngineFailedError(RuntimeError):
+    """An engine failed past its restart budget: the run cannot go on."""
+
+
+@dataclass
+class EngineLauncher:
+    """Starts (and restarts) engine actors in their placement-group bundles. Picklable, so the
+    rollout manager can restart engines itself."""
+
+    group: Any  # the Ray placement group
+    bundles: list[int]  # bundle index of engine i
+    num_cpus: float
+    num_gpus: float
+    kwargs: dict[str, Any]  # EngineActor's keyword arguments, except `index`
+
+    def launch(self, index: int) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from miles.core.runtime.engine_actor import MAX_CONCURRENCY, EngineActor
+
+        return (
+            ray.remote(EngineActor)
+            .options(
+                num_cpus=self.num_cpus,
+                num_gpus=self.num_gpus,
+                max_concurrency=MAX_CONCURRENCY,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.group, self.bundles[index]
+                ),
+            )
+            .remote(index=index, **self.kwargs)
+        )
+
+
+@dataclass
+class EngineSlot:
+    index: int
+    handle: Any
+    state: SlotState = "ready"
+    restarts: int = 0
+    last_error: str = ""
+    inflight: int = 0  # requests handed to it and not yet back
+
+
+@dataclass
+class EnginePool:
+    launcher: EngineLauncher | None  # None: engines cannot be restarted (failures are fatal)
+    handles: list[Any]
+    fault: FaultConfig
+    slots: list[EngineSlot] = field(init=False)
+    restarts_total: int = 0
+    fatal: str | None = None  # set when an engine is past its restart budget
+    on_change: Callable[[], None] = lambda: None  # called when a slot changes state
+
+    def __post_init__(self) -> None:
+        self.slots = [EngineSlot(i, h) for i, h in enumerate(self.handles)]
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ── what is usable ───────────────────────────────────────────────────────────────────────────
+
+    def ready(self) -> list[EngineSlot]:
+        return [s for s in self.slots if s.state == "ready"]
+
+    def alive(self) -> list[EngineSlot]:
+        """Engines that can take part in a weight sync: ready ones and restarted (stale) ones."""
+        return [s for s in self.slots if s.state != "down"]
+
+    def stale(self) -> list[EngineSlot]:
+        return [s for s in self.slots if s.state == "stale"]
+
+    def check(self) -> None:
+        if self.fatal is not None:
+            raise EngineFailedError(self.fatal)
+
+    # ── failures ─────────────────────────────────────────────────────────────────────────────────
+
+    def fail(self, slot: EngineSlot, reason: str) -> None:
+        """Takes the engine out of rotation, kills it, and restarts it in the background."""
+        if slot.state == "down":
+            return
+        import ray
+
+        slot.state, slot.last_error = "down", reason
+        log.warning("engine failed; restarting it", engine=slot.index, reason=reason)
+        ray.kill(slot.handle, no_restart=True)
+        self._spawn(self._restart(slot))
+        self.on_change()
+
+    async def _restart(self, slot: EngineSlot) -> None:
+        import ray
+
+        while True:
+            if self.launcher is None or slot.restarts >= self.fault.max_engine_restarts:
+                self.fatal = (
+                    f"rollout engine {slot.index} failed and was restarted {slot.restarts} times "
+                    f"(fault.max_engine_restarts={self.fault.max_engine_restarts}); last error: "
+                    f"{slot.last_error}"
+                )
+                log.error("engine past its restart budget", engine=slot.index, error=self.fatal)
+                self.on_change()
+                return
+            delay = min(self.fault.backoff_s * 2**slot.restarts, self.fault.backoff_max_s)
+            slot.restarts += 1
+            self.restarts_total += 1
+            await asyncio.sleep(delay)
+            handle = self.launcher.launch(slot.index)
+            try:
+                # A new engine loads its model: give it as long as a request may take.
+                await asyncio.wait_for(_ref(handle.health.remote()), self.fault.request_timeout_s)
+            except Exception as exc:
+                slot.last_error = f"restart failed: {type(exc).__name__}: {exc}"
+                ray.kill(handle, no_restart=True)
+                continue
+            slot.handle, slot.state, slot.inflight = handle, "stale", 0
+            log.info("engine restarted; it rejoins at the next weight sync", engine=slot.index)
+            self.on_change()
+            return
+
+    def mark_synced(self) -> None:
+        """After a weight sync that included every alive engine: stale ones are ready now."""
+        for slot in self.stale():
+            slot.state = "ready"
+        self.on_change()
+
+    # ── health checks ────────────────────────────────────────────────────────────────────────────
+
+    def start_health_checks(self) -> None:
+        self._spawn(self._health_loop())
+
+    async def _health_loop(self) -> None:
+        interval = self.fault.health_check_s
+        while True:
+            await asyncio.sleep(interval)
+            for slot in self.ready():
+                t0 = time.monotonic()
+                try:
+                    health = await asyncio.wait_for(_ref(slot.handle.health.remote()), interval)
+                    if not health.get("ok", True):
+                        raise RuntimeError(f"engine reports unhealthy: {health}")
+                except Exception as exc:
+                    if slot.state == "ready":
+                        waited = time.monotonic() - t0
+                        self.fail(slot, f"health check failed after {waited:.1f}s: {exc!r}")
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+async def _ref(ref: Any) -> Any:
+    return await ref

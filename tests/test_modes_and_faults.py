@@ -1,0 +1,344 @@
+"""Modes, placements and faults end to end, on CPU: one_step_off and async runs, colocated
+engines, chaos (a killed engine, a hung engine, a killed train rank) and exact resume.
+
+Every run's `samples.jsonl` must account for each sample id exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import MILES, TEST_MODULES, read_jsonl, run_miles, write_config
+
+P, N = 4, 4  # prompts per step, samples per prompt (write_config's defaults)
+
+
+def _run(tmp_path: Path, assets: dict[str, str], name: str, **sections: Any) -> Path:
+    cfg = write_config(tmp_path / f"{name}.yaml", assets, **sections)
+    run_dir = tmp_path / name
+    proc = run_miles("run", str(cfg), "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run_dir
+
+
+def _assert_every_sample_once(run_dir: Path, steps: int) -> list[dict[str, Any]]:
+    ledger = read_jsonl(run_dir / "samples.jsonl")
+    ids = [row["sample_id"] for row in ledger]
+    assert len(ids) == len(set(ids)), "a sample id was recorded twice"
+    trained = [row for row in ledger if row["fate"] == "trained"]
+    assert len(trained) == steps * P * N  # no filters: every sample is trained
+    assert sorted(ids) == list(range(len(ids)))  # none lost: ids are handed out densely
+    return ledger
+
+
+def test_one_step_off_trains_one_version_behind(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    run_dir = _run(
+        tmp_path,
+        tiny_assets,
+        "off",
+        mode="one_step_off",
+        steps=4,
+        algorithm={"correction": "tis"},
+        checkpoint={"at_end": False},
+    )
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # Batch 0 is on-policy; every later batch was generated while the step before it trained.
+    assert [r["async/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    for row in rows:
+        assert {
+            "async/buffer_fill",
+            "perf/trainer_idle_frac",
+            "perf/rollout_idle_frac",
+        } <= row.keys()
+    _assert_every_sample_once(run_dir, 4)
+
+
+@pytest.mark.parametrize("on_update", ["continue", "requeue"])
+def test_async_updates_weights_mid_generation(
+    tmp_path: Path, tiny_assets: dict[str, str], on_update: str
+) -> None:
+    """A slow engine is still generating when new weights arrive: its requests either finish
+    with the new weights (tokens of two versions in one sample) or start again."""
+    run_dir = _run(
+        tmp_path,
+        tiny_assets,
+        on_update,
+        mode="async",
+        steps=4,
+        algorithm={"correction": "tis"},
+        rollout={"backend": "chaos_torch", "step_delay_s": 0.05, "max_new_tokens": 12},
+        **{"async": {"max_staleness": 1, "on_weight_update": on_update}},
+        checkpoint={"at_end": False},
+    )
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == 4
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+    assert sum(r["async/requeued"] for r in rows) > 0  # updates did cut requests short
+    ledger = _assert_every_sample_once(run_dir, 4)
+    mixed = [row for row in ledger if row["weight_versions"][0] != row["weight_versions"][1]]
+    if on_update == "continue":
+        assert mixed, "no sample spans a weight update"
+    else:
+        assert not mixed
+
+
+def test_colocated_engine_shares_the_trainer_bundle(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    """Engine and trainer share one bundle; weights go by handle (IPC on GPU), and the run
+    checks after every sync that the engine holds exactly the trainer's weights."""
+    run_dir = _run(tmp_path, tiny_assets, "colo", placement="colocated", steps=3)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["weights/version"] for r in rows] == [1, 2, 3]
+    assert rows[0]["train/rollout_logprob_abs_diff"] < 1e-4
+    events = (run_dir / "events.jsonl").read_text()
+    assert '"train_bundles": [0], "engine_bundles": [0]' in events
+    _assert_every_sample_once(run_dir, 3)
+
+
+def _chaos_marker(tmp_path: Path) -> str:
+    return str(tmp_path / "fault-happened")
+
+
+def test_killed_engine_is_restarted_and_its_requests_move(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    marker = _chaos_marker(tmp_path)
+    run_dir = _run(
+        tmp_path,
+        tiny_assets,
+        "kill-engine",
+        steps=3,
+        rollout={"backend": "chaos_torch", "engines": 2, "fault": "kill", "marker": marker},
+        fault={"backoff_s": 0.1},
+        checkpoint={"at_end": False},
+    )
+    assert Path(marker).exists()  # the fault did fire
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == 3
+    assert rows[-1]["fault/engine_restarts"] == 1
+    _assert_every_sample_once(run_dir, 3)
+
+
+def test_hung_engine_is_caught_by_the_timeout(tmp_path: Path, tiny_assets: dict[str, str]) -> None:
+    marker = _chaos_marker(tmp_path)
+    run_dir = _run(
+        tmp_path,
+        tiny_assets,
+        "hang-engine",
+        steps=3,
+        rollout={"backend": "chaos_torch", "fault": "hang", "marker": marker},
+        fault={"request_timeout_s": 5, "backoff_s": 0.1},
+        checkpoint={"at_end": False},
+    )
+    assert Path(marker).exists()
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == 3
+    assert rows[-1]["fault/engine_restarts"] == 1
+    events = (run_dir / "events.jsonl").read_text()
+    assert "fault.request_timeout_s" in events  # the reason names the setting that caught it
+    _assert_every_sample_once(run_dir, 3)
+
+
+def test_killed_train_rank_restarts_from_the_checkpoint(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    marker = _chaos_marker(tmp_path)
+    run_dir = _run(
+        tmp_path,
+        tiny_assets,
+        "kill-train",
+        steps=4,
+        train={"backend": "chaos_fsdp", "kill_at_train_step": 3, "marker": marker},
+        fault={"backoff_s": 0.1},
+        checkpoint={"every": 1},
+    )
+    assert Path(marker).exists()
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["fault/train_restarts"] for r in rows] == [0, 0, 1, 1]
+    events = (run_dir / "events.jsonl").read_text()
+    assert "train group restored" in events and "step_1" in events
+    _assert_every_sample_once(run_dir, 4)
+
+
+def test_past_the_restart_cap_the_run_fails_clearly(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    cfg = write_config(
+        tmp_path / "cfg.yaml",
+        tiny_assets,
+        steps=3,
+        train={"backend": "chaos_fsdp", "kill_at_train_step": 2, "marker": _chaos_marker(tmp_path)},
+        fault={"max_train_restarts": 0},
+    )
+    proc = run_miles("run", str(cfg), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 1
+    assert "fault.max_train_restarts=0" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ── exact resume ─────────────────────────────────────────────────────────────────────────────────
+
+
+# Wall-clock measurements differ between any two runs; everything else must not.
+def _comparable(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.startswith("perf/") and not k.endswith(("_s", "_per_s"))
+    }
+
+
+def test_resume_after_a_kill_matches_an_uninterrupted_run(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    steps, kill_after = 5, 2
+    sections: dict[str, Any] = {"steps": steps, "checkpoint": {"every": 1, "keep_last": 2}}
+    whole = _run(tmp_path, tiny_assets, "whole", **sections)
+
+    cfg = write_config(tmp_path / "killed.yaml", tiny_assets, **sections)
+    run_dir = tmp_path / "killed"
+    env = {**os.environ, "CI": "1", "PYTHONPATH": str(TEST_MODULES)}
+    proc = subprocess.Popen(
+        [*MILES, "run", str(cfg), "--run-dir", str(run_dir)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: Ray's processes die with it
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / f"step_{kill_after}").exists():
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    done = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert max(done) < steps - 1, "killed too late to test anything"
+
+    resumed = run_miles("run", "--resume", "--run-dir", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    expected = [_comparable(r) for r in read_jsonl(whole / "metrics.jsonl")]
+    got = [_comparable(r) for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in got] == list(range(steps))
+    for want, have in zip(expected, got, strict=True):
+        assert want.keys() == have.keys()
+        for key in want:
+            assert have[key] == pytest.approx(want[key], abs=1e-6, rel=0), (want["step"], key)
+    _assert_every_sample_once(run_dir, steps)
+
+
+def test_resume_skips_a_corrupt_checkpoint(tmp_path: Path, tiny_assets: dict[str, str]) -> None:
+    run_dir = _run(tmp_path, tiny_assets, "run", steps=3, checkpoint={"every": 1, "keep_last": 3})
+    newest = run_dir / "checkpoints" / "step_2" / "train" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit in the weights
+    newest.write_bytes(bytes(data))
+    proc = run_miles("run", "--resume", "--run-dir", str(run_dir), "--set", "steps=4")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = (run_dir / "events.jsonl").read_text()
+    assert "checkpoint is corrupt or partial; using an older one" in events
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+def test_local_ray_refuses_clients_without_the_token(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    """The Ray that `miles run` starts has token authentication on."""
+    cfg = write_config(
+        tmp_path / "cfg.yaml",
+        tiny_assets,
+        steps=50,
+        rollout={"backend": "chaos_torch", "step_delay_s": 0.5},  # a slow run to talk to
+    )
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "CI": "1", "PYTHONPATH": str(TEST_MODULES)}
+    proc = subprocess.Popen(
+        [*MILES, "run", str(cfg), "--run-dir", str(run_dir)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        started: list[dict[str, Any]] = []
+        while not started:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+            if (run_dir / "events.jsonl").exists():
+                events = read_jsonl(run_dir / "events.jsonl")
+                started = [e for e in events if e["event"] == "local Ray started"]
+        assert started[0]["auth"] == "token"
+        connect = f"import ray; ray.init(address={started[0]['address']!r}); print('connected')"
+        plain_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+
+        def client(home: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-c", connect],
+                env={**plain_env, "HOME": home, "RAY_AUTH_MODE": "token"},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+
+        with_token = client(os.environ.get("HOME", "/root"))  # the token Ray generated is here
+        assert "connected" in with_token.stdout, with_token.stderr[-2000:]
+        stranger = tmp_path / "stranger"  # no ~/.ray/auth_token
+        stranger.mkdir()
+        refused = client(str(stranger))
+        assert "connected" not in refused.stdout
+        assert "token" in refused.stderr.lower()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize("stale", ["drop", "regenerate"])
+def test_async_samples_too_old_after_a_train_restart(
+    tmp_path: Path, tiny_assets: dict[str, str], stale: str
+) -> None:
+    """The train group dies at step 3 and goes back to the step-1 checkpoint, whose weights go
+    to the engines as a new version: the batch made ahead with the lost weights is now two
+    versions behind, so it is dropped, or generated again."""
+    marker = _chaos_marker(tmp_path)
+    run_dir = _run(
+        tmp_path,
+        tiny_assets,
+        stale,
+        mode="async",
+        steps=5,
+        algorithm={"correction": "tis"},
+        train={"backend": "chaos_fsdp", "kill_at_train_step": 4, "marker": marker},
+        **{"async": {"max_staleness": 1, "stale": stale}},
+        fault={"backoff_s": 0.1},
+        checkpoint={"every": 2, "at_end": False},
+    )
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == 5 and rows[-1]["fault/train_restarts"] == 1
+    assert all(r["async/staleness_max"] <= 1 for r in rows)  # nothing older was trained
+    ledger = read_jsonl(run_dir / "samples.jsonl")
+    ids = [row["sample_id"] for row in ledger]
+    assert len(ids) == len(set(ids)) and sorted(ids) == list(range(len(ids)))
+    fates = {row["fate"] for row in ledger}
+    if stale == "drop":
+        assert sum(r["async/stale_groups"] for r in rows) > 0
+        assert "stale" in fates
+        assert rows[-1]["samples/stale"] == sum(row["fate"] == "stale" for row in ledger)
+    else:
+        assert sum(r["async/stale_regenerated"] for r in rows) > 0
+        assert fates == {"trained"} and len(ids) == 5 * P * N
