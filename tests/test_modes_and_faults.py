@@ -342,3 +342,20 @@ def test_async_samples_too_old_after_a_train_restart(
     else:
         assert sum(r["async/stale_regenerated"] for r in rows) > 0
         assert fates == {"trained"} and len(ids) == 5 * P * N
+
+
+def test_an_engine_past_its_restart_cap_fails_the_run_clearly(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    cfg = write_config(
+        tmp_path / "cfg.yaml",
+        tiny_assets,
+        steps=3,
+        rollout={"backend": "chaos_torch", "fault": "kill", "marker": _chaos_marker(tmp_path)},
+        fault={"max_engine_restarts": 0},
+    )
+    proc = run_miles("run", str(cfg), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 1
+    assert "rollout engine 0 failed" in proc.stderr
+    assert "fault.max_engine_restarts=0" in proc.stderr
+    assert "Traceback" not in proc.stderr
