@@ -361,6 +361,11 @@ def validate(config: RunConfig, manager: Any) -> None:
     if config.model.family is not None:
         check(Kind.FAMILY, config.model.family, "model.family", {})
     problems.extend(_check_run_shape(config))
+    from miles.core.routing import check_replay
+
+    replay_problem = check_replay(manager, config.model.path, config.moe.routing_replay)
+    if replay_problem:
+        problems.append(replay_problem)
     if problems:
         raise ConfigError(problems)
 
@@ -402,10 +407,6 @@ def _check_run_shape(config: RunConfig) -> list[str]:
             )
     if config.lora is not None:
         problems.append("lora: no installed precision plugin provides LoRA yet; remove the key")
-    if config.moe.routing_replay != "off":
-        problems.append(
-            "moe.routing_replay: no installed model family provides a router adapter; use 'off'"
-        )
     if config.warmstart.steps and not config.warmstart.data:
         problems.append("warmstart.data: required when warmstart.steps > 0")
     for path in (config.data.path, config.warmstart.data, config.eval.data):

@@ -87,7 +87,9 @@ class GenerateResult:
     # The weights' version; a list, one per response token, when the request was paused for a
     # weight update and finished with the new weights (a partial rollout).
     weight_version: int | list[int]
+    # MoE routing record of prompt + response: [tokens, moe_layers, top_k] (-1: not recorded).
     routing: npt.NDArray[np.integer[Any]] | None = None
+    routing_weights: npt.NDArray[np.float32] | None = None
 
 
 def token_versions(version: int | list[int], num_tokens: int) -> list[int]:
@@ -134,6 +136,10 @@ class PackedBatch:
     loss_weights: npt.NDArray[np.float32] | None = None
     values: npt.NDArray[np.float32] | None = None
     returns: npt.NDArray[np.float32] | None = None
+    # MoE routing records aligned with `tokens`: [tokens, moe_layers, top_k] expert indices (-1:
+    # none) and, when recorded, the gate weights. None when the samples carry no record.
+    routing: npt.NDArray[np.integer[Any]] | None = None
+    routing_weights: npt.NDArray[np.float32] | None = None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -175,6 +181,8 @@ class PackedBatch:
             rewards=np.array([s.reward or 0.0 for s in samples], dtype=np.float32),
             sample_ids=np.array([s.sample_id for s in samples], dtype=np.int64),
             group_ids=np.array([s.group_id for s in samples], dtype=np.int64),
+            routing=_concat_records(samples, "routing", lens),
+            routing_weights=_concat_records(samples, "routing_weights", lens),
         )
 
     def to_samples(self) -> list[Sample]:
@@ -222,7 +230,25 @@ class PackedBatch:
             loss_weights=None if self.loss_weights is None else self.loss_weights[token_idx],
             values=None if self.values is None else self.values[token_idx],
             returns=None if self.returns is None else self.returns[token_idx],
+            routing=None if self.routing is None else self.routing[token_idx],
+            routing_weights=None
+            if self.routing_weights is None
+            else self.routing_weights[token_idx],
         )
+
+
+def _concat_records(samples: list[Sample], name: str, lens: list[int]) -> Any:
+    """The samples' routing records (one row per token) as one array; None unless every sample
+    has one."""
+    records = [getattr(s, name) for s in samples]
+    if not samples or any(r is None for r in records):
+        return None
+    for s, r, n in zip(samples, records, lens, strict=True):
+        if len(r) != n:
+            raise ValueError(
+                f"sample {s.sample_id}: {name} has {len(r)} rows for {n} tokens (prompt + response)"
+            )
+    return np.concatenate(records)
 
 
 def split_by_token_budget(

@@ -37,13 +37,13 @@ CONFIG: dict[str, Any] = {
 }
 
 
-def prepare(assets: Path, seed: int) -> dict[str, Any]:
+def prepare(assets: Path, seed: int, *, moe: bool = False) -> dict[str, Any]:
     """Makes the tiny model, tokenizer and datasets once; a resumed run reuses them."""
     from miles.recipes import quickstart_task
 
     model_dir, data_dir = assets / "model", assets / "data"
     if not (model_dir / "config.json").exists():
-        quickstart_task.build_model(model_dir, seed)
+        quickstart_task.build_model(model_dir, seed, moe=moe)
     if not (data_dir / "eval.jsonl").exists():
         paths = quickstart_task.write_datasets(data_dir, seed)
     else:
@@ -58,3 +58,21 @@ def prepare(assets: Path, seed: int) -> dict[str, Any]:
 
 def quickstart() -> Recipe:
     return Recipe(config=CONFIG, prepare=prepare, description=__doc__ or "")
+
+
+# The same task on a tiny Qwen3-MoE (4 experts, top-2), with routing replay on: the engines record
+# every token's experts and the trainer routes through them. `--set moe.routing_replay=off`
+# turns replay off (the agreement is still measured).
+CONFIG_MOE: dict[str, Any] = {
+    **CONFIG,
+    "name": "quickstart-moe",
+    "moe": {"routing_replay": "ids"},
+}
+
+
+def prepare_moe(assets: Path, seed: int) -> dict[str, Any]:
+    return prepare(assets, seed, moe=True)
+
+
+def quickstart_moe() -> Recipe:
+    return Recipe(config=CONFIG_MOE, prepare=prepare_moe, description=__doc__ or "")

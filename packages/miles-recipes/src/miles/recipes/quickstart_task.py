@@ -104,14 +104,23 @@ def model_config(**overrides: Any) -> Qwen3Config:
     return Qwen3Config(**(kwargs | overrides))
 
 
-def build_model(out_dir: str | Path, seed: int, **config_overrides: Any) -> None:
-    """Writes a randomly initialised model (safetensors) plus the tokenizer files to `out_dir`."""
+def build_model(out_dir: str | Path, seed: int, *, moe: bool = False, **overrides: Any) -> None:
+    """Writes a randomly initialised model (safetensors) plus the tokenizer files to `out_dir`.
+    `moe`: a Qwen3-MoE of the same shape, 4 experts of which each token uses 2."""
     import torch
-    from transformers import GenerationConfig, Qwen3ForCausalLM
+    from transformers import GenerationConfig, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = model_config(**config_overrides)
+    config: Any = model_config(**overrides)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    if moe:
+        config = Qwen3MoeConfig(
+            **config.to_diff_dict()
+            | {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96}
+            | {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+        )
+        model: Any = Qwen3MoeForCausalLM(config)
+    else:
+        model = Qwen3ForCausalLM(config)
     model.generation_config = GenerationConfig(
         eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )

@@ -12,6 +12,8 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from miles.core.components import Kind
 from miles.core.config import ComponentRef
 from miles.core.configtools import ConfigError, build
@@ -71,6 +73,7 @@ class MultiTurn:
         mask: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        routing: Any = None
         start = await env.reset(group.row)
         total, status, turns = start.reward, SampleStatus.COMPLETED, 0
         self._observe(ctx, start.observation, response, mask, logprobs, versions)
@@ -86,6 +89,7 @@ class MultiTurn:
                 sample_id, group.prompt_ids + response, replace(sampling, max_new_tokens=left)
             )
             (result,) = await ctx.generate([request])
+            routing = result.routing  # covers this turn's prompt (all before it) and response
             turns += 1
             response += result.response_ids
             mask += [1] * len(result.response_ids)
@@ -105,6 +109,7 @@ class MultiTurn:
         if not done and status is SampleStatus.COMPLETED:
             status = SampleStatus.TRUNCATED  # out of turns
         return Sample(
+            routing=_fit(routing, len(group.prompt_ids) + len(response)),
             prompt_ids=group.prompt_ids,
             response_ids=response,
             rollout_logprobs=logprobs,
@@ -133,3 +138,12 @@ class MultiTurn:
         mask += [0] * len(ids)
         logprobs += [0.0] * len(ids)
         versions += [versions[-1] if versions else 0] * len(ids)
+
+
+def _fit(routing: Any, n: int) -> Any:
+    """A routing record of exactly n rows: tokens after the last turn (an observation) have none."""
+    if routing is None or len(routing) == n:
+        return routing
+    out = np.full((n, *routing.shape[1:]), -1, dtype=routing.dtype)
+    out[: min(n, len(routing))] = routing[:n]
+    return out

@@ -39,6 +39,7 @@ class SingleTurn:
                 status=_STATUS.get(r.finish_reason, SampleStatus.FAILED),
                 error=None if r.finish_reason in _STATUS else f"finish_reason {r.finish_reason!r}",
                 routing=r.routing,
+                routing_weights=r.routing_weights,
                 metadata=dict(group.row),
             )
             for r in results

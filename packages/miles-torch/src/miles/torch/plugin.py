@@ -19,6 +19,7 @@ def make_engine(config: TorchEngineConfig, model_path: str, *, device: str, seed
         dtype=config.dtype,
         max_batch_size=config.max_batch_size,
         seed=seed,
+        record_routing=config.record_routing,
     )
 
 

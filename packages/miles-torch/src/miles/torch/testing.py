@@ -60,7 +60,8 @@ def make_tokenizer(vocab_size: int):
 
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
-    """A few-layer config for `arch` ("qwen3" or "qwen3_moe"); `overrides` replace any field."""
+    """A few-layer config for `arch` ("qwen3", "qwen3_moe" or "deepseek_v3"); `overrides`
+    replace any field."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     ids = _vocab(vocab_size)
@@ -91,7 +92,30 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             norm_topk_prob=True,
         )
         return Qwen3MoeConfig(**{**common, **moe, **overrides})
-    raise ValueError(f"unknown arch {arch!r}; expected 'qwen3' or 'qwen3_moe'")
+    if arch == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        deepseek = dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE: adapters must skip dense
+            num_hidden_layers=3,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            head_dim=8,  # the rotary part of each head (DeepSeek ropes only qk_rope_head_dim)
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        )
+        return DeepseekV3Config(**{**common, **deepseek, **overrides})
+    raise ValueError(f"unknown arch {arch!r}; expected 'qwen3', 'qwen3_moe' or 'deepseek_v3'")
 
 
 def make_tiny_model(

@@ -192,7 +192,7 @@ class Controller:
         """Engines must hold exactly the trainer's weights, at the current version."""
         import ray
 
-        expected = self._train_all("checksum")  # collective over ranks
+        expected = self._train_all("checksum", self.placement.engine_dtype)  # collective
         engines, versions = ray.get(
             [self.manager.checksums.remote(), self.manager.weight_versions.remote()]
         )

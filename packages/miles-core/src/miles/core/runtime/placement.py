@@ -16,6 +16,8 @@ from typing import Any
 import structlog
 
 from miles.core.config import RunConfig
+from miles.core.plugins import get_plugin_manager
+from miles.core.routing import record_mode
 from miles.core.runtime.engine_pool import EngineLauncher
 
 log = structlog.get_logger(__name__)
@@ -100,6 +102,7 @@ class Placement:
     train_launcher: TrainLauncher
     colocated: bool
     gpus: bool
+    engine_dtype: str  # what the engines hold their weights in
 
     @classmethod
     def create(cls, config: RunConfig, run_dir: str) -> Placement:
@@ -135,6 +138,9 @@ class Placement:
         device = "cuda" if gpus else "cpu"
         rollout_options = dict(config.rollout.options)
         rollout_options.setdefault("dtype", rollout_dtype(config))
+        record = record_mode(get_plugin_manager(), config.model.path, config.moe.routing_replay)
+        if record != "off":
+            rollout_options.setdefault("record_routing", record)
         train_launcher = TrainLauncher(
             group,
             train_at,
@@ -168,7 +174,8 @@ class Placement:
         # Surface constructor errors (bad checkpoint, missing file) here, not at the first step.
         ray.get([e.health.remote() for e in engines] + [manager.weight_versions.remote()])
         ray.get([t.flush.remote() for t in trainers])
-        return cls(trainers, manager, engines, group, train_launcher, colocated, gpus)
+        dtype = str(rollout_options["dtype"])
+        return cls(trainers, manager, engines, group, train_launcher, colocated, gpus, dtype)
 
 
 def _check_capacity(bundles: list[dict[str, int]]) -> None:

@@ -37,6 +37,7 @@ def train_options(config: RunConfig) -> dict[str, Any]:
     # Train-side logprobs must use the rollout's sampling temperature (0 means greedy: use 1).
     options.setdefault("temperature", config.rollout.temperature or 1.0)
     options.setdefault("ref_model", config.algorithm.kl.coef > 0)
+    options.setdefault("routing_replay", config.moe.routing_replay)
     if _needs_values(config):
         options.setdefault("critic", True)
     if options.get("lr_schedule", "constant") != "constant":
@@ -111,11 +112,13 @@ class TrainActor:
             algo = self.config.algorithm
             with span("miles.logprobs", step=step, rank=self.rank):
                 out = self.backend.logprobs(batch)
+                routing: dict[str, float] = getattr(self.backend, "routing_metrics", dict)()
             trainer_lp = out["logprobs"].astype(np.float32)
             batch.ref_logprobs = out.get("ref_logprobs")
             # Before the update: how far the engine's view of the sampled tokens is from the
             # trainer's. 0 up to float error when both run the same weights and numerics.
             metrics = mismatch_metrics(trainer_lp, batch.rollout_logprobs, batch.loss_mask)
+            metrics.update(routing)
             token_penalty = None
             if self.kl is not None and algo.kl.mode == "reward":
                 kl = self.kl(torch.from_numpy(trainer_lp), torch.from_numpy(batch.ref_logprobs))
@@ -252,9 +255,14 @@ class TrainActor:
     def wake(self) -> None:
         self.backend.wake()
 
-    def checksum(self) -> str:
-        """Hash of the weights as engines should hold them (collective; rank 0's is used)."""
-        return tensors_checksum(self._rollout_weights())
+    def checksum(self, dtype: str | None = None) -> str:
+        """Hash of the weights as engines should hold them, cast to the engines' `dtype` when
+        the rollout runs in another one (collective; rank 0's is used)."""
+        weights = self._rollout_weights()
+        if dtype is not None:
+            cast = getattr(torch, dtype)
+            weights = ((n, t.to(cast) if t.is_floating_point() else t) for n, t in weights)
+        return tensors_checksum(weights)
 
     # ── checkpoints ──────────────────────────────────────────────────────────────────────────────
 

@@ -24,6 +24,9 @@ class Row:
     request: GenerateRequest
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # MoE routing of each token fed through the model so far, in chunks: [tokens, layers, k].
+    routing: list[torch.Tensor] = field(default_factory=list)
+    routing_weights: list[torch.Tensor] = field(default_factory=list)
     done: bool = False  # finished and reported; still occupies its slot until `compact`
 
 

@@ -15,10 +15,12 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
 from miles.core.checksum import tensors_checksum
+from miles.core.routing import index_dtype
 from miles.core.types import GenerateRequest, GenerateResult
 from miles.torch.engine.batch import Batch, Row
 from miles.torch.engine.loader import (
@@ -30,6 +32,28 @@ from miles.torch.engine.loader import (
 )
 from miles.torch.engine.sampler import SamplingTensors, sample
 from miles.torch.weights import named_state
+
+
+def _routing_recorder(model: Any, mode: str) -> Any:
+    """A RoutingRecorder on the model's MoE routers (through its family's adapter), or None."""
+    if mode == "off":
+        return None
+    from miles.core.plugins import get_plugin_manager
+    from miles.core.routing import RoutingRecorder, family_for
+
+    family = family_for(get_plugin_manager(), model.config.model_type)
+    if family is None or family.router is None:
+        raise ValueError(
+            f"record_routing={mode!r}: no installed model family has a router adapter for "
+            f"model_type {model.config.model_type!r}"
+        )
+    return RoutingRecorder(model, family.router, with_weights=mode == "ids+weights")
+
+
+def _rows(weights: torch.Tensor | None, i: int, width: int, n: int) -> torch.Tensor | None:
+    if weights is None:
+        return None
+    return weights.view(-1, width, *weights.shape[1:])[i, width - n :]
 
 
 class TorchRolloutEngine:
@@ -52,6 +76,7 @@ class TorchRolloutEngine:
         dtype: str = "float32",
         max_batch_size: int = 64,
         seed: int = 0,
+        record_routing: str = "off",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -67,6 +92,11 @@ class TorchRolloutEngine:
         self._paused = False
         self._released = False
         self._lock = threading.Lock()  # one model step, weight load or offload at a time
+        self._recorder = _routing_recorder(self.model, record_routing)
+        experts = getattr(self.model.config, "num_experts", None) or getattr(
+            self.model.config, "num_local_experts", None
+        )
+        self._routing_dtype = index_dtype(int(experts or 1))
 
     @property
     def weight_version(self) -> int:
@@ -145,6 +175,7 @@ class TorchRolloutEngine:
     def _prefill(self, requests: list[GenerateRequest]) -> tuple[Batch, torch.Tensor]:
         """Run the prompts through the model as one left-padded batch; last-position logits."""
         width = max(len(r.prompt_ids) for r in requests)
+        row_records: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         ids = torch.full((len(requests), width), self._pad_id, dtype=torch.int64)
         mask = torch.zeros((len(requests), width), dtype=torch.int64)
         for i, r in enumerate(requests):
@@ -162,8 +193,19 @@ class TorchRolloutEngine:
             logits_to_keep=1,
             **{self._cache_kwarg: cache},
         )
+        if self._recorder is not None:  # every prompt token's experts (left padding dropped)
+            indices, weights = self._recorder.take()
+            indices = indices.view(len(requests), width, *indices.shape[1:])
+            for i, r in enumerate(requests):
+                n = len(r.prompt_ids)
+                row_records.append((indices[i, width - n :], _rows(weights, i, width, n)))
+        rows = [Row(r) for r in requests]
+        for row, (idx, w) in zip(rows, row_records, strict=False):
+            row.routing.append(idx)
+            if w is not None:
+                row.routing_weights.append(w)
         batch = Batch(
-            rows=[Row(r) for r in requests],
+            rows=rows,
             cache=cache,
             mask=mask,
             positions=mask.sum(dim=1),
@@ -183,6 +225,12 @@ class TorchRolloutEngine:
             use_cache=True,
             **{self._cache_kwarg: batch.cache},
         )
+        if self._recorder is not None:  # each row's newest token
+            indices, weights = self._recorder.take()
+            for i, row in enumerate(batch.rows):
+                row.routing.append(indices[i : i + 1])
+                if weights is not None:
+                    row.routing_weights.append(weights[i : i + 1])
         batch.positions = batch.positions + 1
         return out.logits[:, -1]
 
@@ -205,12 +253,25 @@ class TorchRolloutEngine:
         return any(s in tail for s in stop_strings)
 
     def _result(self, row: Row, reason: str) -> GenerateResult:
+        routing = weights = None
+        if self._recorder is not None and row.routing:
+            # The last sampled token was never fed through the model: its row stays -1.
+            n = len(row.request.prompt_ids) + len(row.response)
+            routing = np.full((n, *row.routing[0].shape[1:]), -1, dtype=self._routing_dtype)
+            fed = torch.cat(row.routing).cpu().numpy()
+            routing[: len(fed)] = fed[:n]
+            if row.routing_weights:
+                weights = np.zeros(routing.shape, dtype=np.float32)
+                fed_w = torch.cat(row.routing_weights).cpu().numpy()
+                weights[: len(fed_w)] = fed_w[:n]
         return GenerateResult(
             request_id=row.request.request_id,
             response_ids=row.response,
             logprobs=row.logprobs,
             finish_reason=reason,
             weight_version=self._weight_version,
+            routing=routing,
+            routing_weights=weights,
         )
 
     def load_weights(

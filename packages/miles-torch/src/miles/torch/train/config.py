@@ -34,6 +34,10 @@ class FSDPConfig:
     # more model of memory); "offload", its weight shards in host memory, swapped into the policy
     # model for the reference forward (no extra device memory, two host<->device copies a step).
     ref_mode: str = "copy"
+    # MoE routing replay (set from the run's moe.routing_replay): "ids" routes every token through
+    # the experts the rollout engine recorded, "ids+weights" takes their gate weights too; "off"
+    # only measures how often the trainer's router agrees with the record.
+    routing_replay: str = "off"
     # Logprobs are those of log_softmax(logits / temperature): must match the rollout's sampling.
     temperature: float = 1.0
     attn_implementation: str = "sdpa"

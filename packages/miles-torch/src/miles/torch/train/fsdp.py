@@ -91,6 +91,7 @@ class FSDPTrainer:
         elif cfg.ref_model:  # "offload": this rank's shards of the initial weights, on the host
             self._ref_shards = [_host_copy(_local(p)) for p in self.model.parameters()]
         self.optimizer = build_optimizer(self.model.parameters(), cfg)
+        self.replay = _routing_replay(self.model, cfg.routing_replay)
         self.step = 0  # optimizer steps taken; the LR schedule's whole state
         # The critic, if any: its own optimizer and step count (its steps may be skipped apart
         # from the policy's), on the policy's LR schedule scaled to `critic_lr`.
@@ -161,7 +162,8 @@ class FSDPTrainer:
         micro_batches = self._micro_batches(batch)
         for mb in micro_batches:
             idx = torch.from_numpy(mb.token_index).to(self.device)
-            lp, entropy = token_logprobs(self.model, mb, self.cfg.temperature)
+            with self._replaying(mb, count=not mb.is_padding):
+                lp, entropy = token_logprobs(self.model, mb, self.cfg.temperature)
             ref = None
             if self.ref_model is not None:
                 ref, _ = token_logprobs(self.ref_model, mb, self.cfg.temperature)
@@ -245,10 +247,12 @@ class FSDPTrainer:
 
         self.optimizer.zero_grad(set_to_none=True)
         for mb in self._micro_batches(batch):
-            lp, entropy = token_logprobs(self.model, mb, self.cfg.temperature)
-            inputs = self._loss_inputs(batch, weights, mb, lp, entropy)
-            per_token, metrics = loss(inputs)
-            (per_token * inputs.loss_weights).sum().backward()
+            # Replay stays on through backward: recomputed layers route the same way.
+            with self._replaying(mb):
+                lp, entropy = token_logprobs(self.model, mb, self.cfg.temperature)
+                inputs = self._loss_inputs(batch, weights, mb, lp, entropy)
+                per_token, metrics = loss(inputs)
+                (per_token * inputs.loss_weights).sum().backward()
             add("train/loss", per_token, inputs.loss_weights)
             add("train/entropy", entropy, inputs.loss_weights)
             for key, value in metrics.items():
@@ -346,6 +350,41 @@ class FSDPTrainer:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    @contextmanager
+    def _replaying(self, mb: MicroBatch, count: bool = False) -> Iterator[None]:
+        """Routes `mb` through its recorded experts (MoE with routing replay; else a no-op)."""
+        if self.replay is None or mb.routing is None:
+            yield
+            return
+        self.replay.counting = count
+        try:
+            with self.replay.active(mb.routing, mb.routing_weights):
+                yield
+        finally:
+            self.replay.counting = False
+
+    def routing_metrics(self) -> dict[str, float]:
+        """Agreement of the trainer's own routers with the rollout record over the last
+        `logprobs` call (collective); {} for a model without MoE routers or records."""
+        if self.replay is None:
+            return {}
+        stats = self.replay.take_stats()
+        counts = torch.tensor(
+            [stats.compared, stats.agreed, stats.replayed_tokens, stats.matched],
+            dtype=torch.float64,
+        )
+        if self.world_size > 1:
+            counts = counts.to(self.device)
+            dist.all_reduce(counts)
+        compared, agreed, replayed, matched = counts.tolist()
+        if not compared:
+            return {}
+        metrics = {"moe/routing_agreement": agreed / compared, "moe/replayed_tokens": replayed}
+        if self.replay.mode != "off":
+            # 1.0 unless replay failed to take hold: the experts used are the recorded ones.
+            metrics["moe/replayed_match"] = matched / compared
+        return metrics
 
     def _micro_batches(self, batch: PackedBatch) -> list[MicroBatch]:
         return shard_micro_batches(
@@ -552,6 +591,23 @@ class FSDPTrainer:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _routing_replay(model: Any, mode: str) -> Any:
+    """A RoutingReplay over `model`'s MoE routers, through its family's router adapter; None for
+    a model without one (replay on such a model is refused before launch)."""
+    from miles.core.plugins import get_plugin_manager
+    from miles.core.routing import RoutingReplay, family_for
+
+    family = family_for(get_plugin_manager(), model.config.model_type)
+    if family is None or family.router is None:
+        if mode != "off":
+            raise ValueError(
+                f"routing_replay={mode!r}: no installed model family has a router adapter for "
+                f"model_type {model.config.model_type!r}"
+            )
+        return None
+    return RoutingReplay(model, family.router, mode)  # type: ignore[arg-type]
 
 
 def _resolve_device(device: str) -> torch.device:

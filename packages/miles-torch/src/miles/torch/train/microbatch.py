@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -30,6 +31,10 @@ class MicroBatch:
     # Padding micro-batches exist only so every rank runs as many passes as the others (FSDP's
     # collectives must match): their results are discarded and their loss weights are zero.
     is_padding: bool = False
+    # MoE routing records laid out like input_ids, flattened: [B * L, moe_layers, top_k] expert
+    # indices (-1 at padding and where nothing was recorded) and gate weights; None without.
+    routing: torch.Tensor | None = None
+    routing_weights: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +65,16 @@ def make_micro_batch(
     def tensor(parts: list[npt.NDArray[np.int64]]) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
 
+    def block(records: npt.NDArray[Any] | None, fill: float) -> torch.Tensor | None:
+        """Per-token records (aligned with batch.tokens) in the [B, L] layout, flattened the way
+        the model flattens tokens for its routers."""
+        if records is None:
+            return None
+        out = np.full((len(seqs), width, *records.shape[1:]), fill, dtype=records.dtype)
+        for row, (start, n) in enumerate(zip(starts.tolist(), lens.tolist(), strict=True)):
+            out[row, :n] = records[start : start + n]
+        return torch.from_numpy(out.reshape(len(seqs) * width, *records.shape[1:])).to(device)
+
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids).to(device),
         attention_mask=torch.from_numpy(attention_mask).to(device),
@@ -69,6 +84,8 @@ def make_micro_batch(
         cols=tensor(cols),
         target_pos=tensor(target_pos),
         is_padding=is_padding,
+        routing=block(batch.routing, -1),
+        routing_weights=block(batch.routing_weights, 0.0),
     )
 
 

@@ -1,0 +1,245 @@
+"""MoE routing replay: record the experts the rollout engine chose, make the trainer use them.
+
+A model family's `RouterAdapter` knows two things about an architecture: where its routers are
+(one per MoE layer, in layer order) and how it turns router logits into gate weights for a given
+set of experts. Every transformers router we support returns `(logits, gate_weights,
+expert_indices)` for the flattened tokens of a forward; recording and replay are forward hooks on
+those routers, so the model code itself is untouched.
+
+- `RoutingRecorder` (engine side) keeps each router's indices (and weights) per forward.
+- `RoutingReplay` (trainer side) swaps the router's choice for the recorded one: `ids` recomputes
+  the gate weights from the live logits at the recorded experts (the router keeps its gradient),
+  `ids+weights` takes the weights from the record too. A record of -1 means "no record" (padding,
+  or the last token, which the engine never fed through the model): the live choice stands.
+  The replay stays set for a whole micro-batch, forward and backward, so activation
+  recomputation during backward routes the same way.
+
+Records are `[tokens, moe_layers, top_k]` integer arrays in the smallest signed dtype that holds
+every expert index (and -1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+ReplayMode = Literal["off", "ids", "ids+weights"]
+
+
+class RouterAdapter(Protocol):
+    def routers(self, model: Any) -> list[Any]:
+        """The router module of every MoE layer, in layer order (dense layers skipped)."""
+        ...
+
+    def gate_weights(
+        self, router: Any, logits: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
+        """The gate weights the router would give `indices` ([tokens, top_k]) from `logits`."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A model family component (`model.family`, or found by the checkpoint's model_type)."""
+
+    name: str
+    model_types: tuple[str, ...]  # config.json "model_type" values this family covers
+    router: RouterAdapter | None = None  # None: a dense family, nothing to replay
+
+
+def family_for(manager: Any, model_type: str) -> ModelFamily | None:
+    """The installed family that covers `model_type`, if any."""
+    from miles.core.components import Kind
+
+    for name in manager.registry.names(Kind.FAMILY):
+        family = manager.get(Kind.FAMILY, name).spec.factory()
+        if model_type in family.model_types:
+            return family  # type: ignore[no-any-return]
+    return None
+
+
+def model_type_of(model_path: str) -> str | None:
+    """config.json's model_type of a local checkpoint (a multimodal wrapper: its text model's);
+    None for a hub id or a directory without one."""
+    import json
+    from pathlib import Path
+
+    file = Path(model_path) / "config.json"
+    if not file.is_file():
+        return None
+    config = json.loads(file.read_text())
+    text = config.get("text_config")
+    if isinstance(text, dict) and text.get("model_type"):
+        return str(text["model_type"])
+    model_type = config.get("model_type")
+    return str(model_type) if model_type else None
+
+
+def record_mode(manager: Any, model_path: str, replay: ReplayMode) -> ReplayMode:
+    """What engines record: every MoE model with a router adapter records expert ids (so the
+    trainer can report `moe/routing_agreement` even with replay off); weights only when
+    replayed."""
+    model_type = model_type_of(model_path)
+    family = family_for(manager, model_type) if model_type else None
+    if family is None or family.router is None:
+        return "off"
+    return "ids+weights" if replay == "ids+weights" else "ids"
+
+
+def check_replay(manager: Any, model_path: str, replay: ReplayMode) -> str | None:
+    """Why `replay` cannot work on this model (before launch), or None."""
+    if replay == "off":
+        return None
+    model_type = model_type_of(model_path)
+    if model_type is None:
+        return None  # a hub id: the engines say so at load time
+    family = family_for(manager, model_type)
+    if family is None:
+        return (
+            f"moe.routing_replay: no installed model family covers model_type {model_type!r}, so "
+            "nothing knows its routers; use moe.routing_replay: off, or add a family with a "
+            "router adapter (see docs/moe-routing-replay.md)"
+        )
+    if family.router is None:
+        return (
+            f"moe.routing_replay: model.path is a dense {model_type!r} model (family "
+            f"{family.name!r} has no MoE router); use moe.routing_replay: off"
+        )
+    return None
+
+
+def index_dtype(num_experts: int) -> np.dtype[Any]:
+    """The smallest signed integer dtype that holds 0..num_experts-1 and -1."""
+    return np.dtype(np.min_scalar_type(-max(num_experts, 1)))
+
+
+def _text_model(model: Any) -> Any:
+    return getattr(model, "model", model)
+
+
+@dataclass
+class _Capture:
+    indices: list[torch.Tensor] = field(default_factory=list)
+    weights: list[torch.Tensor] = field(default_factory=list)
+
+
+class RoutingRecorder:
+    """Engine side: after each forward, `take()` gives every MoE layer's choice for its tokens."""
+
+    def __init__(self, model: Any, adapter: RouterAdapter, with_weights: bool) -> None:
+        self.with_weights = with_weights
+        self._routers = adapter.routers(model)
+        if not self._routers:
+            raise ValueError(f"{type(model).__name__} has no MoE router to record")
+        self._capture = _Capture()
+        for router in self._routers:
+            router.register_forward_hook(self._hook)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._routers)
+
+    def _hook(self, module: Any, args: Any, output: Any) -> None:
+        _, weights, indices = output
+        self._capture.indices.append(indices.detach())
+        if self.with_weights:
+            self._capture.weights.append(weights.detach().float())
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([tokens, layers, top_k] indices, [tokens, layers, top_k] weights or None) of the
+        forward that just ran; clears the capture."""
+        import torch
+
+        capture, self._capture = self._capture, _Capture()
+        if len(capture.indices) != self.num_layers:
+            raise RuntimeError(
+                f"recorded {len(capture.indices)} router calls for {self.num_layers} MoE layers"
+            )
+        indices = torch.stack(capture.indices, dim=1)
+        weights = torch.stack(capture.weights, dim=1) if capture.weights else None
+        return indices, weights
+
+
+@dataclass
+class ReplayStats:
+    compared: int = 0  # token-layer pairs with a record
+    agreed: int = 0  # ... where the live router chose the same set of experts
+    replayed_tokens: int = 0  # tokens with a record
+    matched: int = 0  # token-layer pairs (with a record) whose experts were the recorded ones
+
+
+class RoutingReplay:
+    """Trainer side: while `active(...)` is set, every router uses the recorded experts. With
+    mode "off" it only measures how often the live router agrees with the record."""
+
+    def __init__(self, model: Any, adapter: RouterAdapter, mode: ReplayMode) -> None:
+        self.mode, self.adapter = mode, adapter
+        self._routers = adapter.routers(model)
+        if not self._routers:
+            raise ValueError(f"{type(model).__name__} has no MoE router to replay")
+        self._layer = {id(r): i for i, r in enumerate(self._routers)}
+        self._indices: torch.Tensor | None = None  # [tokens, layers, k]
+        self._weights: torch.Tensor | None = None
+        self.stats = ReplayStats()
+        self.counting = False
+        for router in self._routers:
+            router.register_forward_hook(self._hook)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._routers)
+
+    @contextmanager
+    def active(
+        self, indices: torch.Tensor | None, weights: torch.Tensor | None = None
+    ) -> Iterator[None]:
+        """Replays `indices` ([tokens of the forward, layers, k], -1 for none) inside."""
+        self._indices, self._weights = indices, weights
+        try:
+            yield
+        finally:
+            self._indices = self._weights = None
+
+    def _hook(self, module: Any, args: Any, output: Any) -> Any:
+        import torch
+
+        if self._indices is None:
+            return output
+        logits, live_weights, live = output
+        layer = self._layer[id(module)]
+        recorded = self._indices[:, layer].to(live.device)
+        if recorded.shape != live.shape:
+            raise RuntimeError(
+                f"routing record of shape {tuple(recorded.shape)} for a forward that routed "
+                f"{tuple(live.shape)} (tokens, top_k): the record is misaligned with the batch"
+            )
+        has = (recorded >= 0).all(dim=-1)  # [tokens]
+        if self.counting:
+            same = (live.sort(dim=-1).values == recorded.sort(dim=-1).values).all(dim=-1)
+            self.stats.compared += int(has.sum())
+            self.stats.agreed += int((same & has).sum())
+            if layer == 0:
+                self.stats.replayed_tokens += int(has.sum()) if self.mode != "off" else 0
+        if self.mode == "off":
+            return output
+        indices = torch.where(has[:, None], recorded.to(live.dtype), live)
+        if self.mode == "ids+weights" and self._weights is not None:
+            recorded_w = self._weights[:, layer].to(live_weights.device, live_weights.dtype)
+            weights = torch.where(has[:, None], recorded_w, live_weights)
+        else:
+            weights = self.adapter.gate_weights(module, logits, indices).to(live_weights.dtype)
+        if self.counting:  # what the experts will really get, against the record
+            used = (indices == recorded.to(indices.dtype)).all(dim=-1)
+            self.stats.matched += int((used & has).sum())
+        return logits, weights, indices
+
+    def take_stats(self) -> ReplayStats:
+        stats, self.stats = self.stats, ReplayStats()
+        return stats
