@@ -99,3 +99,12 @@ def test_parquet_rows_through_hf_datasets(tmp_path: Path) -> None:
     path = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), path)
     assert read_rows(str(path)) == [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+
+
+def test_a_bare_off_in_yaml_means_the_word() -> None:
+    """YAML 1.1 reads `off` as False: a setting whose values include "off" takes it back."""
+    data = apply_overrides({}, ["moe.routing_replay=off"])
+    assert data["moe"]["routing_replay"] is False  # what YAML made of it
+    assert parse(data).moe.routing_replay == "off"
+    with pytest.raises(ConfigError, match="True is not one of"):
+        parse({"mode": True})

@@ -61,6 +61,9 @@ def _key(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+_BOOL_WORDS = {False: ("off", "no", "false"), True: ("on", "yes", "true")}
+
+
 def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
     origin = get_origin(tp)
     if tp is Any:
@@ -69,6 +72,10 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
         return _convert_dataclass(typing.cast(type, tp), value, path, problems)
     if origin is typing.Literal:
         allowed = get_args(tp)
+        if isinstance(value, bool):
+            # YAML 1.1 reads a bare off/on (or no/yes) as a boolean: take the word back.
+            words = [w for w in _BOOL_WORDS[value] if w in allowed]
+            value = words[0] if words else value
         if value not in allowed:
             shown = ", ".join(repr(a) for a in allowed)
             hint = closest(str(value), [str(a) for a in allowed])
