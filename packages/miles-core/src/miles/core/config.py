@@ -149,6 +149,24 @@ class EvalConfig:
 
 
 @dataclass
+class LoRASection:
+    """Low-rank adapters: the train backend trains them with the base weights frozen."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Module names (their last component) to adapt, e.g. q_proj; checked against the model.
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # merged: engines get base + adapters as plain weights; adapters: engines get only the
+    # adapters (a few percent of the bytes) and apply them to the base they hold.
+    sync: Literal["merged", "adapters"] = "merged"
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1 or not self.targets:
+            raise ValueError("lora: rank >= 1, alpha > 0, 0 <= dropout < 1 and some targets")
+
+
+@dataclass
 class MoEConfig:
     routing_replay: Literal["off", "ids", "ids+weights"] = "off"
 
@@ -227,7 +245,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     precision: ComponentRef = field(default_factory=lambda: ComponentRef("fp32"))
-    lora: dict[str, Any] | None = None
+    lora: LoRASection | None = None
     moe: MoEConfig = field(default_factory=MoEConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -406,13 +424,43 @@ def _check_run_shape(config: RunConfig) -> list[str]:
                 f"{config.train.world_size})"
             )
     if config.lora is not None:
-        problems.append("lora: no installed precision plugin provides LoRA yet; remove the key")
+        problems.extend(_lora_problems(config))
     if config.warmstart.steps and not config.warmstart.data:
         problems.append("warmstart.data: required when warmstart.steps > 0")
     for path in (config.data.path, config.warmstart.data, config.eval.data):
         if path and _looks_local(path) and not Path(path).exists():
             problems.append(f"{path}: file not found")
     return problems
+
+
+def _lora_problems(config: RunConfig) -> list[str]:
+    """LoRA targets that match no module of the model (read on the meta device: no weights)."""
+    assert config.lora is not None
+    if not config.model.path or not Path(config.model.path, "config.json").is_file():
+        return []
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.model.path))  # type: ignore[no-untyped-call]
+    linear = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    )
+    problems = []
+    if config.lora.sync == "adapters" and config.precision.name not in ("fp32", "bf16"):
+        problems.append(
+            f"lora.sync: adapters applies adapters to the base the engines loaded from disk; "
+            f"with precision {config.precision.name!r} they hold another format: use "
+            "lora.sync: merged"
+        )
+    unknown = [t for t in config.lora.targets if t not in linear]
+    if not unknown:
+        return problems
+    return [
+        *problems,
+        f"lora.targets: {', '.join(map(repr, unknown))} match no linear module of "
+        f"{type(model).__name__}; available: {', '.join(linear)}",
+    ]
 
 
 def _generic_keys(cls: type) -> tuple[str, ...]:

@@ -138,9 +138,8 @@ class SyncGroup:
                         f"weight sync: expected {meta.name} {meta.shape}, got {name} "
                         f"{tuple(tensor.shape)}; the model changed after the sync plan was made"
                     )
-                parts.append(
-                    tensor.detach().to(self.device, getattr(torch, meta.dtype)).reshape(-1)
-                )
+                part = tensor.detach().to(self.device, getattr(torch, meta.dtype)).reshape(-1)
+                parts.append(_wire(part))
             flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
             self._broadcast(flat)
             sent += flat.numel() * flat.element_size()
@@ -154,8 +153,18 @@ class SyncGroup:
 
         for bucket in plan.buckets:
             flat = torch.empty(bucket.numel, dtype=getattr(torch, bucket.dtype), device=self.device)
-            self._broadcast(flat)
+            self._broadcast(_wire(flat))  # fills `flat` (a byte view shares its memory)
             offset = 0
             for meta in bucket.tensors:
                 yield meta.name, flat[offset : offset + meta.numel].view(meta.shape)
                 offset += meta.numel
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """What goes over the process group: 1-byte float formats (fp8) travel as their bytes,
+    because not every backend (gloo) reduces or broadcasts them."""
+    import torch
+
+    if tensor.is_floating_point() and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from miles.core import ComponentSpec, Kind, hookimpl, lazy
+from miles.precision.config import Int4QATConfig, QuantConfig
 
 
 @hookimpl
@@ -21,5 +22,28 @@ def miles_register_precisions() -> Iterable[ComponentSpec]:
             "bf16",
             lazy("miles.precision.dtype:bf16"),
             "bfloat16 training compute and rollout weights",
+        ),
+        ComponentSpec(
+            Kind.PRECISION,
+            "fp8",
+            lazy("miles.precision.quantized:fp8_precision"),
+            "fp8 e4m3 projections with 128x128 block scales (torch._scaled_mm); rollout gets fp8 "
+            "weights + scales",
+            QuantConfig,
+        ),
+        ComponentSpec(
+            Kind.PRECISION,
+            "mxfp8",
+            lazy("miles.precision.quantized:mxfp8_precision"),
+            "mxfp8 projections (1x32 blocks, e8m0 scales; emulated on CPU and Hopper)",
+            QuantConfig,
+        ),
+        ComponentSpec(
+            Kind.PRECISION,
+            "int4-qat",
+            lazy("miles.precision.quantized:int4_qat_precision"),
+            "int4 quantization-aware training (symmetric, group-wise, straight-through); rollout "
+            "gets packed int4 + group scales",
+            Int4QATConfig,
         ),
     ]

@@ -342,10 +342,15 @@ class Controller:
                     self._start()
                 start = self._restore() if self.resume else 0
                 if start == 0:
-                    if cfg.rollout.verify_weights and not self.colocated:
+                    # A quantizing precision: engines loaded model.path as it is on disk, and
+                    # must get the format's weights before they generate.
+                    quantized = hasattr(
+                        build_component(Kind.PRECISION, cfg.precision), "rollout_decoder"
+                    )
+                    if cfg.rollout.verify_weights and not (self.colocated or quantized):
                         self.verify_weights()  # both sides loaded model.path: they must agree
                     self.warmstart()
-                    self._sync_after_train(-1, new_version=bool(cfg.warmstart.steps))
+                    self._sync_after_train(-1, new_version=bool(cfg.warmstart.steps) or quantized)
                 ray.get(self.manager.start.remote(start, self.version, carrier()))
                 progress = _Progress(cfg.steps, start, enabled=cfg.telemetry.progress)
                 for step in range(start, cfg.steps):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from miles.core.components import Kind
 from miles.core.factory import build_component
 from miles.core.runtime.process import init_actor_process
@@ -34,6 +36,8 @@ class EngineActor:
         run_dir: str | None,
         num_threads: int | None,
         sync_timeout_s: float = 600.0,
+        precision: Any = None,
+        lora: Any = None,
     ) -> None:
         init_actor_process(run_dir, role=f"engine{index}", num_threads=num_threads)
         self.index = index
@@ -48,6 +52,18 @@ class EngineActor:
         )
         self.device = device
         self.sync_timeout_s = sync_timeout_s
+        # A low-precision format the engine has no kernel for: weights arrive quantized with
+        # their scales and are dequantized on load (and `health` says so).
+        # lora.sync: adapters: what arrives is adapters to apply on the loaded base.
+        self.adapter_scaling = None
+        self._adapter_parts: list[tuple[str, torch.Tensor]] = []
+        if lora is not None and lora.sync == "adapters":
+            self.adapter_scaling = lora.alpha / lora.rank
+        self.decoder = None
+        if precision is not None:
+            fmt = build_component(Kind.PRECISION, precision, path="precision")
+            if hasattr(fmt, "rollout_decoder"):
+                self.decoder = fmt.rollout_decoder(getattr(torch, options.get("dtype", "float32")))
         self._sync: SyncGroup | None = None
 
     def generate(
@@ -94,10 +110,31 @@ class EngineActor:
         from miles.core import ipc
 
         ipc.consume(
-            plan.buckets[index], handle, lambda tensors: self.engine.load_weights(tensors, None)
+            plan.buckets[index],
+            handle,
+            lambda tensors: self._load_part(self._decoded(tensors)),
         )
 
+    def _load_part(self, tensors: Any) -> None:
+        """One IPC bucket: weights load now; adapters wait for the rest (they apply as a set)."""
+        if self.adapter_scaling is None:
+            self.engine.load_weights(tensors, None)
+        else:
+            self._adapter_parts += [(n, t.clone()) for n, t in tensors]
+
+    def _load(self, tensors: Any, version: int | None) -> None:
+        if self.adapter_scaling is None:
+            self.engine.load_weights(tensors, version)
+        else:
+            self.engine.apply_adapters(tensors, self.adapter_scaling, version)
+
+    def _decoded(self, tensors: Any) -> Any:
+        return tensors if self.decoder is None else self.decoder(tensors)
+
     def set_weight_version(self, version: int) -> None:
+        if self._adapter_parts:
+            parts, self._adapter_parts = self._adapter_parts, []
+            self._load(parts, None)
         self.engine.set_weight_version(version)
 
     def receive_weights(self, plan: SyncPlan, version: int, trace_carrier: dict[str, str]) -> None:
@@ -106,7 +143,7 @@ class EngineActor:
             attached(trace_carrier),
             span("miles.weight_sync.receive", engine=self.index, version=version),
         ):
-            self.engine.load_weights(self._sync.receive(plan), version)
+            self._load(self._decoded(self._sync.receive(plan)), version)
 
     def checksum(self) -> str:
         return str(self.engine.weights_checksum())
@@ -115,7 +152,10 @@ class EngineActor:
         return int(self.engine.weight_version)
 
     def health(self) -> dict[str, Any]:
-        return dict(self.engine.health())
+        health = dict(self.engine.health())
+        if self.decoder is not None:
+            health["weights_format"] = self.decoder.report
+        return health
 
     def get_rng_state(self) -> str:
         return str(self.engine.get_rng_state())

@@ -49,7 +49,9 @@ def start_ray(config: RunConfig, address: str | None) -> None:
         ray.init(address=address, **common)
         return
     needed = config.train.world_size + config.rollout.engines
-    ray.init(num_cpus=max(os.cpu_count() or 1, needed), **common)
+    # "local": a new Ray of our own, even when a `ray start` cluster runs on this machine
+    # (joining one is what --ray-address is for).
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), **common)
     log.info(
         "local Ray started",
         address=ray.get_runtime_context().gcs_address,
@@ -163,6 +165,8 @@ class Placement:
                 "run_dir": run_dir,
                 "num_threads": threads,
                 "sync_timeout_s": config.fault.request_timeout_s,
+                "precision": config.precision,
+                "lora": config.lora,
             },
         )
         engines = [engine_launcher.launch(i) for i in range(n_engines)]

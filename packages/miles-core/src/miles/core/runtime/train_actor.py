@@ -6,6 +6,7 @@ backends need all ranks in each collective; rank 0 alone talks to the rollout en
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -38,11 +39,18 @@ def train_options(config: RunConfig) -> dict[str, Any]:
     options.setdefault("temperature", config.rollout.temperature or 1.0)
     options.setdefault("ref_model", config.algorithm.kl.coef > 0)
     options.setdefault("routing_replay", config.moe.routing_replay)
+    if config.lora is not None:
+        options.setdefault("lora", dataclasses.asdict(config.lora))
     if _needs_values(config):
         options.setdefault("critic", True)
     if options.get("lr_schedule", "constant") != "constant":
         options.setdefault("total_steps", config.steps + config.warmstart.steps)
     return options
+
+
+def _quantizes(precision: Any) -> bool:
+    """A precision that converts the training model's layers (not just its dtype)."""
+    return hasattr(precision, "rollout_decoder")
 
 
 def _needs_values(config: RunConfig) -> bool:
@@ -66,6 +74,9 @@ class TrainActor:
     ) -> None:
         init_actor_process(run_dir, role=f"train{rank}", num_threads=num_threads)
         self.rank, self.config, self.device = rank, config, device
+        self.precision = build_component(Kind.PRECISION, config.precision, path="precision")
+        converter = getattr(self.precision, "convert_model", None)
+        extra = {"model_converter": converter} if _quantizes(self.precision) else {}
         self.backend = build_component(
             Kind.TRAIN_BACKEND,
             config.train.backend,
@@ -78,6 +89,7 @@ class TrainActor:
             master_port=master_port,
             device=device,
             seed=config.seed,
+            **extra,
         )
         algo = config.algorithm
         self.advantage = build_component(Kind.ADVANTAGE, algo.advantage, path="algorithm.advantage")
@@ -99,7 +111,6 @@ class TrainActor:
             self.correction = build_component(
                 Kind.CORRECTION, algo.correction, path="algorithm.correction"
             )
-        self.precision = build_component(Kind.PRECISION, config.precision, path="precision")
         self._sft_loss: Any = None
         self._sync: SyncGroup | None = None
 
@@ -258,7 +269,10 @@ class TrainActor:
     def checksum(self, dtype: str | None = None) -> str:
         """Hash of the weights as engines should hold them, cast to the engines' `dtype` when
         the rollout runs in another one (collective; rank 0's is used)."""
-        weights = self._rollout_weights()
+        # What engines hold: with LoRA adapters synced alone, base + adapters.
+        weights = self.precision.convert_for_rollout(self.backend.named_weights(merged=True))
+        if hasattr(self.precision, "rollout_decoder"):  # what a dequantizing engine will hold
+            weights = self.precision.rollout_decoder(getattr(torch, dtype or "float32"))(weights)
         if dtype is not None:
             cast = getattr(torch, dtype)
             weights = ((n, t.to(cast) if t.is_floating_point() else t) for n, t in weights)

@@ -93,6 +93,7 @@ class TorchRolloutEngine:
         self._released = False
         self._lock = threading.Lock()  # one model step, weight load or offload at a time
         self._recorder = _routing_recorder(self.model, record_routing)
+        self._adapters: Any = None  # LoRA adapters applied on top of the loaded base
         experts = getattr(self.model.config, "num_experts", None) or getattr(
             self.model.config, "num_local_experts", None
         )
@@ -282,6 +283,20 @@ class TorchRolloutEngine:
         as it was."""
         with self._lock:
             copy_weights(self.model, named_tensors)
+            if version is not None:
+                self._weight_version = version
+
+    def apply_adapters(
+        self, adapters: Iterable[tuple[str, torch.Tensor]], scaling: float, version: int | None
+    ) -> None:
+        """`lora.sync: adapters`: weight = base + scaling * B @ A for each adapted module, from
+        the base this engine loaded (kept aside the first time: one copy per adapted weight)."""
+        from miles.precision.lora import AdapterApplier
+
+        with self._lock:
+            if self._adapters is None:
+                self._adapters = AdapterApplier(self.model, scaling)
+            self._adapters.apply(adapters)
             if version is not None:
                 self._weight_version = version
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16")
@@ -38,6 +39,8 @@ class FSDPConfig:
     # the experts the rollout engine recorded, "ids+weights" takes their gate weights too; "off"
     # only measures how often the trainer's router agrees with the record.
     routing_replay: str = "off"
+    # LoRA (set from the run's `lora` section): {rank, alpha, dropout, targets, sync}; None: off.
+    lora: dict[str, Any] | None = None
     # Logprobs are those of log_softmax(logits / temperature): must match the rollout's sampling.
     temperature: float = 1.0
     attn_implementation: str = "sdpa"

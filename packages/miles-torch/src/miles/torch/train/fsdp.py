@@ -20,7 +20,7 @@ import dataclasses
 import gc
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -72,8 +72,11 @@ class FSDPTrainer:
         master_port: int,
         device: str = "cpu",
         seed: int = 0,
+        model_converter: Callable[[torch.nn.Module], Any] | None = None,
     ) -> None:
         self.cfg, self.model_path = cfg, model_path
+        # A precision's model conversion (e.g. fp8 / int4 training linears), before sharding.
+        self._convert = model_converter
         self.rank, self.world_size = rank, world_size
         self.device = _resolve_device(device)
         self._owns_process_group = _init_process_group(
@@ -114,6 +117,12 @@ class FSDPTrainer:
         """The sharded model and its decoder layers' name prefixes (see `_groups`)."""
         attn = self.cfg.attn_implementation
         model = (_load_hf_critic(path, attn, seed) if critic else _load_hf_model(path, attn)).eval()
+        if self._convert is not None and not critic:
+            self._convert(model)
+        if trainable and not critic and self.cfg.lora is not None:
+            from miles.precision.lora import LoRAConfig, apply_lora
+
+            apply_lora(model, LoRAConfig(**self.cfg.lora))  # base frozen; adapters train
         layers = _decoder_layers(model)
         ids = {id(layer) for layer in layers}
         prefixes = [f"{n}." for n, m in model.named_modules() if id(m) in ids]
@@ -423,15 +432,22 @@ class FSDPTrainer:
     # -- weights and checkpoints -------------------------------------------------------------
 
     @torch.no_grad()
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) for every parameter and persistent buffer, fp32, on this device.
 
         Names are the unwrapped Hugging Face model's `state_dict()` names; tied weights appear
-        once (under the first name, e.g. model.embed_tokens.weight). Collective: every rank must
-        iterate to the end, since each tensor is all-gathered.
+        once (under the first name, e.g. model.embed_tokens.weight). With LoRA, `lora.sync:
+        merged` (or `merged=True`) gives base + adapters under the base names, `adapters` only
+        the adapters. Collective: every rank must iterate to the end, since each tensor is
+        all-gathered.
         """
-        for name, tensor in self._named_state():
-            yield name, ckpt.full_tensor(tensor)
+        full = ((name, ckpt.full_tensor(t)) for name, t in self._named_state())
+        if self.cfg.lora is None:
+            yield from full
+        elif merged or self.cfg.lora.get("sync", "merged") == "merged":
+            yield from _merge_lora(full, self.cfg.lora)
+        else:
+            yield from ((n, t) for n, t in full if ".lora_" in n)
 
     def _named_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         return named_state(self.model)
@@ -466,12 +482,17 @@ class FSDPTrainer:
         checkpoint of its own)."""
         with ckpt.atomic_directory(path, self.rank) as tmp:
             for model, optimizer, prefixes, sub in self._trained():
-                weights = self._gather_weights(model, prefixes)
+                if model is self.model and self.cfg.lora is not None:
+                    weights = self._gather_adapters()  # the base is model.path, unchanged
+                else:
+                    weights = self._gather_weights(model, prefixes)
                 optim = _gather_optimizer(model, optimizer, self.rank)
                 if self.rank == 0:
                     out = tmp / sub
                     out.mkdir(exist_ok=True)
-                    save_file(weights, out / ckpt.MODEL_FILE, metadata={"format": "pt"})
+                    lora = model is self.model and self.cfg.lora is not None
+                    weights_file = ADAPTER_FILE if lora else ckpt.MODEL_FILE
+                    save_file(weights, out / weights_file, metadata={"format": "pt"})
                     save_file(optim, out / ckpt.OPTIMIZER_FILE)
                     model.config.save_pretrained(out)
             rng = {"cpu": torch.get_rng_state()}
@@ -491,6 +512,16 @@ class FSDPTrainer:
                 if self.critic is not None:
                     state["critic_step"] = self.critic_step
                 ckpt.write_json(tmp / ckpt.STATE_FILE, state)
+
+    def _gather_adapters(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters' full tensors on rank 0 (empty elsewhere). Collective."""
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in named_state(self.model):
+            if ".lora_" in name:
+                full = ckpt.full_tensor(tensor)
+                if self.rank == 0:
+                    out[name] = full.detach().cpu().contiguous()
+        return out
 
     def _gather_weights(self, model: Any, prefixes: list[str]) -> dict[str, torch.Tensor]:
         """`model`'s full weights under their on-disk names, as save_pretrained writes them; on
@@ -519,6 +550,13 @@ class FSDPTrainer:
             raise ValueError(f"{path}: checkpoint has no critic, but this trainer trains one")
         attn = self.cfg.attn_implementation
         for model, optimizer, _, sub in self._trained():
+            if model is self.model and self.cfg.lora is not None:
+                adapters = load_file(root / sub / ADAPTER_FILE)
+                for name, tensor in named_state(model):
+                    if ".lora_" in name:
+                        tensor.copy_(ckpt.shard_like(adapters[name], tensor))
+                _load_optimizer(model, optimizer, root / sub / ckpt.OPTIMIZER_FILE)
+                continue
             # from_pretrained undoes the on-disk weight format (e.g. fuses MoE experts) for us.
             is_critic = model is self.critic
             source = (_load_hf_critic if is_critic else _load_hf_model)(str(root / sub), attn)
@@ -591,6 +629,40 @@ class FSDPTrainer:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+ADAPTER_FILE = "adapter.safetensors"  # with LoRA, the checkpoint's only model weights
+
+
+def _merge_lora(
+    named: Iterator[tuple[str, torch.Tensor]], lora: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors of a LoRA model under the base model's names: `x.base.weight` plus
+    scaling * `x.lora_B.weight` @ `x.lora_A.weight` becomes `x.weight`. A module's base and
+    adapter tensors come one after another (registration order)."""
+    scaling = float(lora.get("alpha", 16.0)) / int(lora.get("rank", 8))
+    base: dict[str, torch.Tensor] = {}
+    a: dict[str, torch.Tensor] = {}
+    for name, tensor in named:
+        if ".base." in name:
+            module, _, leaf = name.partition(".base.")
+            if leaf == "weight":
+                base[module] = tensor
+            else:
+                yield f"{module}.{leaf}", tensor
+        elif name.endswith(".lora_A.weight"):
+            a[name.removesuffix(".lora_A.weight")] = tensor
+        elif name.endswith(".lora_B.weight"):
+            module = name.removesuffix(".lora_B.weight")
+            w = base.pop(module)
+            delta = scaling * (tensor.float() @ a.pop(module).float())
+            yield f"{module}.weight", (w.float() + delta).to(w.dtype)
+        else:
+            yield name, tensor
+    if base or a:
+        raise RuntimeError(
+            f"LoRA merge: modules without their adapters: {sorted(base) + sorted(a)}"
+        )
 
 
 def _routing_replay(model: Any, mode: str) -> Any:
