@@ -52,6 +52,6 @@ def test_bad_config_is_rejected_before_workers(
 
 def test_unknown_recipe_or_missing_file(tmp_path: Path) -> None:
     proc = run_miles("run", "quickstar", timeout=60)
-    assert proc.returncode != 0 and "did you mean 'quickstart'?" in proc.stderr
+    assert proc.returncode != 0 and "did you mean 'quickstart'" in proc.stderr
     proc = run_miles("run", str(tmp_path / "nope.yaml"), timeout=60)
     assert proc.returncode != 0 and "config file not found" in proc.stderr

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from miles.core import ComponentSpec, Kind, hookimpl
-from miles.recipes.families.deepseek_v3 import deepseek_v3
-from miles.recipes.families.qwen3 import qwen3, qwen3_moe
+from miles.core import ComponentSpec, Kind, hookimpl, lazy
 from miles.recipes.quickstart import quickstart, quickstart_moe
 
 
@@ -31,12 +29,20 @@ def miles_register_recipes() -> Iterable[ComponentSpec]:
 @hookimpl
 def miles_register_families() -> Iterable[ComponentSpec]:
     return [
-        ComponentSpec(Kind.FAMILY, "qwen3", qwen3, "Qwen3 (dense)"),
-        ComponentSpec(Kind.FAMILY, "qwen3_moe", qwen3_moe, "Qwen3-MoE: softmax top-k router"),
+        # Lazy: the router adapters import torch, and listing plugins must not.
+        ComponentSpec(
+            Kind.FAMILY, "qwen3", lazy("miles.recipes.families.qwen3:qwen3"), "Qwen3 (dense)"
+        ),
+        ComponentSpec(
+            Kind.FAMILY,
+            "qwen3_moe",
+            lazy("miles.recipes.families.qwen3:qwen3_moe"),
+            "Qwen3-MoE: softmax top-k router",
+        ),
         ComponentSpec(
             Kind.FAMILY,
             "deepseek_v3",
-            deepseek_v3,
+            lazy("miles.recipes.families.deepseek_v3:deepseek_v3"),
             "DeepSeek-V3 / Kimi K2: sigmoid, group-limited top-k router",
         ),
     ]
