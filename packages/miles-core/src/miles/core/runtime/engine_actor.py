@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import structlog
 import torch
 
 from miles.core.components import Kind
@@ -64,6 +65,10 @@ class EngineActor:
             fmt = build_component(Kind.PRECISION, precision, path="precision")
             if hasattr(fmt, "rollout_decoder"):
                 self.decoder = fmt.rollout_decoder(getattr(torch, options.get("dtype", "float32")))
+                # This engine has no kernel for the format: say so once, in events.jsonl.
+                structlog.get_logger(__name__).info(
+                    "engine dequantizes synced weights", engine=index, format=self.decoder.report
+                )
         self._sync: SyncGroup | None = None
 
     def generate(
