@@ -446,13 +446,7 @@ def _lora_problems(config: RunConfig) -> list[str]:
     linear = sorted(
         {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     )
-    problems = []
-    if config.lora.sync == "adapters" and config.precision.name not in ("fp32", "bf16"):
-        problems.append(
-            f"lora.sync: adapters applies adapters to the base the engines loaded from disk; "
-            f"with precision {config.precision.name!r} they hold another format: use "
-            "lora.sync: merged"
-        )
+    problems: list[str] = []
     unknown = [t for t in config.lora.targets if t not in linear]
     if not unknown:
         return problems

@@ -69,6 +69,11 @@ class EngineActor:
                 structlog.get_logger(__name__).info(
                     "engine dequantizes synced weights", engine=index, format=self.decoder.report
                 )
+                if self.adapter_scaling is not None:
+                    # Only adapters will arrive: bring the base it loaded into the format the
+                    # trainer's frozen base is in, once (a restarted engine does it again).
+                    base = fmt.convert_for_rollout(_checkpoint_weights(model_path))
+                    self.engine.load_weights(self.decoder(base), None)
         self._sync: SyncGroup | None = None
 
     def generate(
@@ -170,3 +175,14 @@ class EngineActor:
 
     def tokenizer_path(self) -> str:
         return str(getattr(self.engine, "model_path", ""))
+
+
+def _checkpoint_weights(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's weights in fp32, by Hugging Face name, as the trainer's master weights
+    hold them (converting them gives the same bits on both sides)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    persistent = set(model.state_dict().keys())
+    yield from model.named_parameters()
+    yield from ((n, b) for n, b in model.named_buffers() if n in persistent)

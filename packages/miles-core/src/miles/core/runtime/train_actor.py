@@ -48,6 +48,18 @@ def train_options(config: RunConfig) -> dict[str, Any]:
     return options
 
 
+def add_lora_deltas(base: Any, adapters: dict[str, torch.Tensor], scaling: float) -> Any:
+    """`base` (name, tensor) pairs with scaling * B @ A added to each adapted weight."""
+    for name, tensor in base:
+        module = name.removesuffix(".weight")
+        a, b = adapters.get(f"{module}.lora_A.weight"), adapters.get(f"{module}.lora_B.weight")
+        if a is None or b is None:
+            yield name, tensor
+        else:
+            delta = scaling * (b.float() @ a.float())  # as the engine computes it
+            yield name, (tensor.float() + delta.to(tensor.device)).to(tensor.dtype)
+
+
 def _quantizes(precision: Any) -> bool:
     """A precision that converts the training model's layers (not just its dtype)."""
     return hasattr(precision, "rollout_decoder")
@@ -269,10 +281,22 @@ class TrainActor:
     def checksum(self, dtype: str | None = None) -> str:
         """Hash of the weights as engines should hold them, cast to the engines' `dtype` when
         the rollout runs in another one (collective; rank 0's is used)."""
-        # What engines hold: with LoRA adapters synced alone, base + adapters.
-        weights = self.precision.convert_for_rollout(self.backend.named_weights(merged=True))
+        decoder = None
         if hasattr(self.precision, "rollout_decoder"):  # what a dequantizing engine will hold
-            weights = self.precision.rollout_decoder(getattr(torch, dtype or "float32"))(weights)
+            decoder = self.precision.rollout_decoder(getattr(torch, dtype or "float32"))
+        lora = self.config.lora
+        if lora is not None and lora.sync == "adapters" and decoder is not None:
+            # The engine converted its own base to the format and adds the adapters to it.
+            base = decoder(
+                self.precision.convert_for_rollout(self.backend.named_weights(base=True))
+            )
+            adapters = dict(self._rollout_weights())  # as sent: in the engines' dtype
+            weights = add_lora_deltas(base, adapters, lora.alpha / lora.rank)
+        else:
+            # What engines hold: with LoRA adapters synced alone, base + adapters.
+            weights = self.precision.convert_for_rollout(self.backend.named_weights(merged=True))
+            if decoder is not None:
+                weights = decoder(weights)
         if dtype is not None:
             cast = getattr(torch, dtype)
             weights = ((n, t.to(cast) if t.is_floating_point() else t) for n, t in weights)

@@ -432,18 +432,24 @@ class FSDPTrainer:
     # -- weights and checkpoints -------------------------------------------------------------
 
     @torch.no_grad()
-    def named_weights(self, merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(
+        self, merged: bool = False, base: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) for every parameter and persistent buffer, fp32, on this device.
 
         Names are the unwrapped Hugging Face model's `state_dict()` names; tied weights appear
         once (under the first name, e.g. model.embed_tokens.weight). With LoRA, `lora.sync:
         merged` (or `merged=True`) gives base + adapters under the base names, `adapters` only
-        the adapters. Collective: every rank must iterate to the end, since each tensor is
+        the adapters, `base=True` the frozen base alone. Collective: every rank must iterate to the end, since each tensor is
         all-gathered.
         """
         full = ((name, ckpt.full_tensor(t)) for name, t in self._named_state())
         if self.cfg.lora is None:
             yield from full
+        elif base:  # the frozen base under its own names, adapters left out
+            for name, tensor in full:
+                if ".lora_" not in name:
+                    yield name.replace(".base.", "."), tensor
         elif merged or self.cfg.lora.get("sync", "merged") == "merged":
             yield from _merge_lora(full, self.cfg.lora)
         else:
