@@ -6,11 +6,13 @@ Every run's `samples.jsonl` must account for each sample id exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +191,24 @@ def test_past_the_restart_cap_the_run_fails_clearly(
     assert "Traceback" not in proc.stderr
 
 
+@contextlib.contextmanager
+def _background_run(cfg: Path, run_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`miles run` in the background; killed with everything it started (Ray included) on exit."""
+    env = {**os.environ, "CI": "1", "PYTHONPATH": str(TEST_MODULES)}
+    proc = subprocess.Popen(
+        [*MILES, "run", str(cfg), "--run-dir", str(run_dir)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: Ray's processes die with it
+    )
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 # ── exact resume ─────────────────────────────────────────────────────────────────────────────────
 
 
@@ -210,23 +230,12 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(
 
     cfg = write_config(tmp_path / "killed.yaml", tiny_assets, **sections)
     run_dir = tmp_path / "killed"
-    env = {**os.environ, "CI": "1", "PYTHONPATH": str(TEST_MODULES)}
-    proc = subprocess.Popen(
-        [*MILES, "run", str(cfg), "--run-dir", str(run_dir)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # its own process group: Ray's processes die with it
-    )
-    try:
+    with _background_run(cfg, run_dir) as proc:
         deadline = time.monotonic() + 300
         while not (run_dir / "checkpoints" / f"step_{kill_after}").exists():
             assert proc.poll() is None, "the run ended before it could be killed"
             assert time.monotonic() < deadline
             time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     done = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert max(done) < steps - 1, "killed too late to test anything"
 
@@ -266,15 +275,7 @@ def test_local_ray_refuses_clients_without_the_token(
         rollout={"backend": "chaos_torch", "step_delay_s": 0.5},  # a slow run to talk to
     )
     run_dir = tmp_path / "run"
-    env = {**os.environ, "CI": "1", "PYTHONPATH": str(TEST_MODULES)}
-    proc = subprocess.Popen(
-        [*MILES, "run", str(cfg), "--run-dir", str(run_dir)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
+    with _background_run(cfg, run_dir) as proc:
         deadline = time.monotonic() + 120
         started: list[dict[str, Any]] = []
         while not started:
@@ -303,9 +304,6 @@ def test_local_ray_refuses_clients_without_the_token(
         refused = client(str(stranger))
         assert "connected" not in refused.stdout
         assert "token" in refused.stderr.lower()
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 @pytest.mark.parametrize("stale", ["drop", "regenerate"])

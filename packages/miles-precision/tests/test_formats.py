@@ -90,6 +90,8 @@ def test_fp8_backend_reports_a_known_path() -> None:
     assert fp8_backend("cpu") == fp8_backend(torch.device("cpu"))
 
 
+# Comparing the two paths needs both; a build without fp8 `_scaled_mm` only has "dequant",
+# which every other fp8 test here exercises.
 @pytest.mark.skipif(fp8_backend() != "scaled_mm", reason="no fp8 _scaled_mm on this CPU build")
 def test_fp8_scaled_mm_and_dequant_paths_agree() -> None:
     g = torch.Generator().manual_seed(2)

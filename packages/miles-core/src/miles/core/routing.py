@@ -65,6 +65,22 @@ def family_for(manager: Any, model_type: str) -> ModelFamily | None:
     return None
 
 
+def router_adapter(model: Any, setting: str) -> RouterAdapter | None:
+    """The router adapter for a loaded model, through its family; None for a model without one.
+    `setting` names what asked for it, for the error when a family cannot serve it."""
+    from miles.core.plugins import get_plugin_manager
+
+    family = family_for(get_plugin_manager(), model.config.model_type)
+    if family is None or family.router is None:
+        if setting.endswith("'off'"):
+            return None
+        raise ValueError(
+            f"{setting}: no installed model family has a router adapter for model_type "
+            f"{model.config.model_type!r}"
+        )
+    return family.router
+
+
 def model_type_of(model_path: str) -> str | None:
     """config.json's model_type of a local checkpoint (a multimodal wrapper: its text model's);
     None for a hub id or a directory without one."""

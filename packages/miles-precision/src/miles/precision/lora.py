@@ -124,22 +124,42 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 @torch.no_grad()
 def merged_named_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """The model's state dict under its original (pre-LoRA) names, adapters folded in.
-
-    A LoRA module at `n` yields `n.weight` (merged) and the base's other tensors as `n.<name>`;
-    every other tensor passes through unchanged. Merges are computed one module at a time, so
-    peak extra memory is one weight.
-    """
+    """The model's state dict under its original (pre-LoRA) names, adapters folded in."""
     loras = lora_modules(model)
-    for key, tensor in model.state_dict().items():
-        owner, rest = _split_lora_key(key, loras)
-        if owner is None:
-            yield key, tensor
-        elif rest == "base.weight":
-            yield f"{owner}.weight", loras[owner].merged_weight()
-        elif rest.startswith("base."):
-            yield f"{owner}.{rest.removeprefix('base.')}", tensor
-        # else: lora_A / lora_B, already folded into the weight.
+    scaling = next(iter(loras.values())).scaling if loras else 1.0
+    yield from merge_named(model.state_dict().items(), scaling)
+
+
+def merge_named(
+    named: Iterable[tuple[str, Tensor]], scaling: float
+) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) pairs of a LoRA model (e.g. full tensors gathered from shards) under the
+    base model's names: `n.base.weight` + scaling * `n.lora_B.weight` @ `n.lora_A.weight`
+    becomes `n.weight`, the base's other tensors `n.<name>`; everything else passes through.
+    A module's base and adapters come one after another (registration order), so at most one
+    weight waits at a time."""
+    base: dict[str, Tensor] = {}
+    a: dict[str, Tensor] = {}
+    for name, tensor in named:
+        if ".base." in name:
+            module, _, leaf = name.partition(".base.")
+            if leaf == "weight":
+                base[module] = tensor
+            else:
+                yield f"{module}.{leaf}", tensor
+        elif name.endswith(_A_SUFFIX):
+            a[name.removesuffix(_A_SUFFIX)] = tensor
+        elif name.endswith(_B_SUFFIX):
+            module = name.removesuffix(_B_SUFFIX)
+            weight = base.pop(module)
+            yield (
+                f"{module}.weight",
+                (weight.float() + _delta(a.pop(module), tensor, scaling)).to(weight.dtype),
+            )
+        else:
+            yield name, tensor
+    if base or a:
+        raise RuntimeError(f"LoRA merge: modules without their adapters: {sorted(base | a)}")
 
 
 def adapter_named_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:

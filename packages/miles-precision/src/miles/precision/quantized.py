@@ -14,7 +14,6 @@ on every sync, the weights into the rollout engine's format.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import torch
 
@@ -120,10 +119,6 @@ class RolloutDecoder:
             weight, scale = (tensor, partner) if weight_name == name else (partner, tensor)
             yield weight_name, self.precision.decode(weight, scale, self.dtype)
 
-    def check_complete(self) -> None:
-        if self._waiting:
-            raise RuntimeError(f"weight sync: no partner arrived for {sorted(self._waiting)}")
-
 
 _FP8 = (torch.float8_e4m3fn,)
 
@@ -167,7 +162,3 @@ def int4_qat_precision(config: Int4QATConfig) -> QuantizedPrecision:
         "_scale",
         f"int4 symmetric, group {group}, weight-only",
     )
-
-
-def describe(precision: Any) -> str:
-    return str(getattr(precision, "describe", str(getattr(precision, "dtype", "?"))))

@@ -31,7 +31,7 @@ from miles.core.config import RunConfig
 from miles.core.factory import build_component
 from miles.core.plugins import get_plugin_manager
 from miles.core.rundir import atomic_checkpoint, latest_valid_checkpoint, prune_checkpoints
-from miles.core.runtime.placement import Placement, start_ray
+from miles.core.runtime.placement import Placement, quantizes, start_ray
 from miles.core.telemetry import carrier, span
 from miles.core.types import RunInfo
 
@@ -344,9 +344,7 @@ class Controller:
                 if start == 0:
                     # A quantizing precision: engines loaded model.path as it is on disk, and
                     # must get the format's weights before they generate.
-                    quantized = hasattr(
-                        build_component(Kind.PRECISION, cfg.precision), "rollout_decoder"
-                    )
+                    quantized = quantizes(build_component(Kind.PRECISION, cfg.precision))
                     if cfg.rollout.verify_weights and not (self.colocated or quantized):
                         self.verify_weights()  # both sides loaded model.path: they must agree
                     self.warmstart()

@@ -15,6 +15,7 @@ import torch
 
 from miles.core.components import Kind
 from miles.core.factory import build_component
+from miles.core.runtime.placement import quantizes
 from miles.core.runtime.process import init_actor_process
 from miles.core.telemetry import attached, span
 from miles.core.types import GenerateRequest, GenerateResult
@@ -63,7 +64,7 @@ class EngineActor:
         self.decoder = None
         if precision is not None:
             fmt = build_component(Kind.PRECISION, precision, path="precision")
-            if hasattr(fmt, "rollout_decoder"):
+            if quantizes(fmt):
                 self.decoder = fmt.rollout_decoder(getattr(torch, options.get("dtype", "float32")))
                 # This engine has no kernel for the format: say so once, in events.jsonl.
                 structlog.get_logger(__name__).info(

@@ -197,6 +197,12 @@ def _check_capacity(bundles: list[dict[str, int]]) -> None:
             )
 
 
+def quantizes(precision: Any) -> bool:
+    """A precision with its own weight format (fp8, int4...): it converts the training model's
+    layers, and engines without its kernel decode what a sync sends."""
+    return hasattr(precision, "rollout_decoder")
+
+
 def rollout_dtype(config: RunConfig) -> str:
     """Engines hold weights in the run's precision: no manual conversion."""
     from miles.core.components import Kind

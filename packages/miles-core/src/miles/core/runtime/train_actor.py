@@ -26,6 +26,7 @@ from miles.core.checksum import tensors_checksum
 from miles.core.components import Kind
 from miles.core.config import RunConfig
 from miles.core.factory import build_component
+from miles.core.runtime.placement import quantizes
 from miles.core.runtime.process import flush_traces, free_port, init_actor_process, node_address
 from miles.core.telemetry import attached, span
 from miles.core.types import PackedBatch
@@ -60,11 +61,6 @@ def add_lora_deltas(base: Any, adapters: dict[str, torch.Tensor], scaling: float
             yield name, (tensor.float() + delta.to(tensor.device)).to(tensor.dtype)
 
 
-def _quantizes(precision: Any) -> bool:
-    """A precision that converts the training model's layers (not just its dtype)."""
-    return hasattr(precision, "rollout_decoder")
-
-
 def _needs_values(config: RunConfig) -> bool:
     """Whether the advantage estimator works from a critic's values (e.g. gae)."""
     advantage = build_component(Kind.ADVANTAGE, config.algorithm.advantage)
@@ -88,7 +84,7 @@ class TrainActor:
         self.rank, self.config, self.device = rank, config, device
         self.precision = build_component(Kind.PRECISION, config.precision, path="precision")
         converter = getattr(self.precision, "convert_model", None)
-        extra = {"model_converter": converter} if _quantizes(self.precision) else {}
+        extra = {"model_converter": converter} if quantizes(self.precision) else {}
         self.backend = build_component(
             Kind.TRAIN_BACKEND,
             config.train.backend,
@@ -282,7 +278,7 @@ class TrainActor:
         """Hash of the weights as engines should hold them, cast to the engines' `dtype` when
         the rollout runs in another one (collective; rank 0's is used)."""
         decoder = None
-        if hasattr(self.precision, "rollout_decoder"):  # what a dequantizing engine will hold
+        if quantizes(self.precision):  # what a dequantizing engine will hold
             decoder = self.precision.rollout_decoder(getattr(torch, dtype or "float32"))
         lora = self.config.lora
         if lora is not None and lora.sync == "adapters" and decoder is not None:

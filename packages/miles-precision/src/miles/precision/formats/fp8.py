@@ -74,6 +74,8 @@ def _probe_scaled_mm(device_type: str) -> str:
         one = torch.ones((), device=device_type)
         torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
     except (RuntimeError, ValueError, NotImplementedError, AttributeError):
+        # A torch build or device without fp8 `_scaled_mm` (it raises one of these, depending
+        # on version): fp8_matmul then does the same arithmetic on the dequantized operands.
         return "dequant"
     return "scaled_mm"
 

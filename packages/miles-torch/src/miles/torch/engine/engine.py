@@ -38,16 +38,11 @@ def _routing_recorder(model: Any, mode: str) -> Any:
     """A RoutingRecorder on the model's MoE routers (through its family's adapter), or None."""
     if mode == "off":
         return None
-    from miles.core.plugins import get_plugin_manager
-    from miles.core.routing import RoutingRecorder, family_for
+    from miles.core.routing import RoutingRecorder, router_adapter
 
-    family = family_for(get_plugin_manager(), model.config.model_type)
-    if family is None or family.router is None:
-        raise ValueError(
-            f"record_routing={mode!r}: no installed model family has a router adapter for "
-            f"model_type {model.config.model_type!r}"
-        )
-    return RoutingRecorder(model, family.router, with_weights=mode == "ids+weights")
+    adapter = router_adapter(model, f"record_routing={mode!r}")
+    assert adapter is not None  # router_adapter raises unless the setting is 'off'
+    return RoutingRecorder(model, adapter, with_weights=mode == "ids+weights")
 
 
 def _rows(weights: torch.Tensor | None, i: int, width: int, n: int) -> torch.Tensor | None:

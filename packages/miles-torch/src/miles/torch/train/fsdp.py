@@ -451,7 +451,9 @@ class FSDPTrainer:
                 if ".lora_" not in name:
                     yield name.replace(".base.", "."), tensor
         elif merged or self.cfg.lora.get("sync", "merged") == "merged":
-            yield from _merge_lora(full, self.cfg.lora)
+            from miles.precision.lora import LoRAConfig, merge_named
+
+            yield from merge_named(full, LoRAConfig(**self.cfg.lora).scaling)
         else:
             yield from ((n, t) for n, t in full if ".lora_" in n)
 
@@ -640,52 +642,13 @@ class FSDPTrainer:
 ADAPTER_FILE = "adapter.safetensors"  # with LoRA, the checkpoint's only model weights
 
 
-def _merge_lora(
-    named: Iterator[tuple[str, torch.Tensor]], lora: dict[str, Any]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full tensors of a LoRA model under the base model's names: `x.base.weight` plus
-    scaling * `x.lora_B.weight` @ `x.lora_A.weight` becomes `x.weight`. A module's base and
-    adapter tensors come one after another (registration order)."""
-    scaling = float(lora.get("alpha", 16.0)) / int(lora.get("rank", 8))
-    base: dict[str, torch.Tensor] = {}
-    a: dict[str, torch.Tensor] = {}
-    for name, tensor in named:
-        if ".base." in name:
-            module, _, leaf = name.partition(".base.")
-            if leaf == "weight":
-                base[module] = tensor
-            else:
-                yield f"{module}.{leaf}", tensor
-        elif name.endswith(".lora_A.weight"):
-            a[name.removesuffix(".lora_A.weight")] = tensor
-        elif name.endswith(".lora_B.weight"):
-            module = name.removesuffix(".lora_B.weight")
-            w = base.pop(module)
-            delta = scaling * (tensor.float() @ a.pop(module).float())
-            yield f"{module}.weight", (w.float() + delta).to(w.dtype)
-        else:
-            yield name, tensor
-    if base or a:
-        raise RuntimeError(
-            f"LoRA merge: modules without their adapters: {sorted(base) + sorted(a)}"
-        )
-
-
 def _routing_replay(model: Any, mode: str) -> Any:
-    """A RoutingReplay over `model`'s MoE routers, through its family's router adapter; None for
-    a model without one (replay on such a model is refused before launch)."""
-    from miles.core.plugins import get_plugin_manager
-    from miles.core.routing import RoutingReplay, family_for
+    """A RoutingReplay over `model`'s MoE routers (with mode "off" it only measures agreement);
+    None for a model without a router adapter (replay on such a model is refused before launch)."""
+    from miles.core.routing import RoutingReplay, router_adapter
 
-    family = family_for(get_plugin_manager(), model.config.model_type)
-    if family is None or family.router is None:
-        if mode != "off":
-            raise ValueError(
-                f"routing_replay={mode!r}: no installed model family has a router adapter for "
-                f"model_type {model.config.model_type!r}"
-            )
-        return None
-    return RoutingReplay(model, family.router, mode)  # type: ignore[arg-type]
+    adapter = router_adapter(model, f"routing_replay={mode!r}")
+    return None if adapter is None else RoutingReplay(model, adapter, mode)  # type: ignore[arg-type]
 
 
 def _resolve_device(device: str) -> torch.device:
