@@ -23,6 +23,11 @@ async def vowel_fraction(response, sample):
     return sum(c in "aeiou" for c in response) / max(len(response), 1)
 
 
+async def char_count(response, sample):
+    """Up to 16 characters, 1/16 each: graded, so random tiny models get advantages."""
+    return min(len(response), 16) / 16
+
+
 async def flaky(response, sample):
     """Raises for every other sample: a reward with a bug."""
     if sample.sample_id % 2:
@@ -157,6 +162,63 @@ def miles_register_train_backends():
     return [ComponentSpec(Kind.TRAIN_BACKEND, "chaos_fsdp", make_trainer, "faulty", ChaosFSDPConfig)]
 '''
 CHAOS_PLUGIN_DIST = "miles_test_chaos-0.1.0.dist-info"
+# A third-party model family plus a recipe that uses it: Llama, which Miles itself does not cover.
+FAMILY_PLUGIN = """
+from miles.core import ComponentSpec, Kind, hookimpl
+from miles.core.family import ModelFamily, ModelShape, ParallelHints, ParamCounts
+from miles.core.recipe import Recipe
+
+
+def shape(config):
+    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    hd = config.get("head_dim") or h // heads
+    inter = config["intermediate_size"]
+    attention = h * heads * hd * 2 + 2 * h * kv * hd
+    per_layer = attention + 3 * h * inter + 2 * h
+    tied = config.get("tie_word_embeddings", False)
+    return ModelShape(
+        params=ParamCounts(vocab * h, 0 if tied else vocab * h, layers * per_layer, other=h),
+        num_layers=layers,
+        hidden_size=h,
+        vocab_size=vocab,
+        active_expert_params=0,
+        kv_elems_per_token=layers * 2 * kv * hd,
+        state_elems_per_seq=0,
+        act_elems_per_token=layers * (4 * h + 3 * inter),
+    )
+
+
+def tiny():
+    return {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64, "initializer_range": 0.1}
+
+
+def my_llama():
+    return ModelFamily("my_llama", ("llama",), shape=shape, tiny=tiny,
+                       parallel=lambda c: ParallelHints((("num_attention_heads", 4),)))
+
+
+def llama_quickstart():
+    from miles.recipes.quickstart import CONFIG, PREPARES, prepare
+
+    config = {**CONFIG, "name": "llama-quickstart", "model": {"family": "my_llama"}}
+    return Recipe(config=config, prepare=prepare, prepares=PREPARES)
+
+
+@hookimpl
+def miles_register_families():
+    return [ComponentSpec(Kind.FAMILY, "my_llama", my_llama, "Llama, from a user plugin")]
+
+
+@hookimpl
+def miles_register_recipes():
+    return [ComponentSpec(Kind.RECIPE, "llama-quickstart", llama_quickstart,
+                          "the quickstart task on the user's Llama family")]
+"""
+FAMILY_PLUGIN_DIST = "miles_test_family-0.1.0.dist-info"
 TEST_MODULES = Path(__file__).parent / "_modules"
 
 
@@ -181,6 +243,14 @@ def run_miles(
         "Requires-Dist: miles-core>=0.1,<0.2\n"
     )
     (info / "entry_points.txt").write_text("[miles]\nchaos = miles_test_chaos\n")
+    (TEST_MODULES / "miles_test_family.py").write_text(FAMILY_PLUGIN)
+    info = TEST_MODULES / FAMILY_PLUGIN_DIST
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: miles-test-family\nVersion: 0.1.0\n"
+        "Requires-Dist: miles-core>=0.1,<0.2\n"
+    )
+    (info / "entry_points.txt").write_text("[miles]\nfamily = miles_test_family\n")
     pythonpath = os.pathsep.join(filter(None, [str(TEST_MODULES), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "CI": "1", "RAY_DEDUP_LOGS": "0", "PYTHONPATH": pythonpath, **(env or {})}
     return subprocess.run(

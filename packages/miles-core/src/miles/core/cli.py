@@ -258,6 +258,87 @@ def components_list(kind: str | None, as_json: bool) -> None:
     _print_table(rows)
 
 
+# ── recipes ──────────────────────────────────────────────────────────────────────────────────────
+
+
+@cli.group()
+def recipes() -> None:
+    """Ready-to-run recipes: list them, show their config, plan their memory."""
+
+
+@recipes.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
+def recipes_list(as_json: bool) -> None:
+    """Every installed recipe, with its model and layout."""
+    from miles.core.components import Kind
+    from miles.core.recipe import describe
+
+    manager = _manager()
+    items = [describe(c) for c in manager.registry.all() if c.kind == Kind.RECIPE]
+    if as_json:
+        click.echo(json.dumps(items, indent=2))
+        return
+    rows = [("NAME", "MODEL", "GPUS", "PROVIDED BY", "SUMMARY")]
+    rows += [(i["name"], i["model"], str(i["gpus"]), i["provided_by"], i["summary"]) for i in items]
+    _print_table(rows)
+
+
+@recipes.command("show")
+@click.argument("name")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a key.")
+def recipes_show(name: str, overrides: tuple[str, ...]) -> None:
+    """Print a recipe's resolved config (every default filled in) as YAML."""
+    from miles.core.recipe import resolved_yaml
+
+    click.echo(resolved_yaml(_load_recipe(name), list(overrides)), nl=False)
+
+
+@recipes.command("plan")
+@click.argument("target")
+@click.option("--gpus", type=int, default=None, help="Re-lay the recipe out on this many GPUs.")
+@click.option("--gpu-mem", default=None, help="Memory of one GPU, e.g. 141GB or 80GiB.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a key.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def recipes_plan(
+    target: str, gpus: int | None, gpu_mem: str | None, overrides: tuple[str, ...], as_json: bool
+) -> None:
+    """Per-GPU memory of a recipe (or CONFIG.yaml): weights, gradients, optimizer state,
+    activations and KV cache. Exits 1 when it does not fit in --gpu-mem."""
+    from miles.core.config import ConfigError, apply_overrides, load_yaml, parse
+    from miles.core.planner import PlanError, format_plan, parse_memory, plan
+
+    try:
+        if target.endswith((".yaml", ".yml")) or Path(target).is_file():
+            data = load_yaml(target)
+        else:
+            data = dict(_load_recipe(target).config)
+        config = parse(apply_overrides(data, list(overrides)))
+        mem = parse_memory(gpu_mem) if gpu_mem else None
+        if gpus is not None and gpus < 1:
+            raise PlanError("--gpus must be at least 1")
+        result = plan(config, _manager(), gpus=gpus, gpu_mem_gb=mem)
+    except (ConfigError, PlanError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        click.echo(format_plan(result))
+        if gpus is not None:
+            layout = result.layout
+            click.echo(
+                f"to run this layout: --set train.world_size={layout.train_gpus} "
+                f"--set rollout.engines={layout.engines}"
+            )
+    if result.fits is False:
+        sys.exit(1)
+
+
+def _load_recipe(name: str) -> Any:
+    from miles.core.components import Kind
+
+    return _lookup(_manager(), Kind.RECIPE, name).spec.factory()
+
+
 # ── run ──────────────────────────────────────────────────────────────────────────────────────────
 
 

@@ -33,7 +33,9 @@ class ComponentSpec:
     """One named component, as a plugin declares it.
 
     `factory` builds the component; when `config` is a dataclass type, the component's section of the
-    run config is validated against it and the factory receives the instance.
+    run config is validated against it and the factory receives the instance. `capabilities` name
+    optional features the run checks before launch (a train backend's "tensor_parallel",
+    "pipeline_parallel", "expert_parallel", "context_parallel").
     """
 
     kind: Kind
@@ -41,6 +43,7 @@ class ComponentSpec:
     factory: Callable[..., Any]
     summary: str
     config: type | None = None
+    capabilities: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if (

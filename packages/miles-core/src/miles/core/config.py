@@ -2,7 +2,7 @@
 
 Top-level keys are a contract: name, seed, steps, mode, model, data, rollout, reward, filters,
 algorithm, train, precision, lora, moe, async, checkpoint, telemetry (plus placement, fault,
-warmstart and eval).
+planner, warmstart and eval).
 A section that names a component (``reward: {name: exact_match, answer_key: label}``) keeps the
 component's own options aside; `validate` checks them against that component's config dataclass,
 before any worker starts.
@@ -119,6 +119,25 @@ class AlgorithmConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the train ranks split the model. Data parallelism is what is left:
+    world_size / (tensor x pipeline x context)."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1  # routed experts split over this many ranks (MoE models)
+    context: int = 1  # long sequences split over this many ranks
+
+    def __post_init__(self) -> None:
+        if min(self.tensor, self.pipeline, self.expert, self.context) < 1:
+            raise ValueError("train.parallel sizes must be >= 1")
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor * self.pipeline * self.context
+
+
+@dataclass
 class TrainConfig:
     """Generic train settings; any other key (lr, micro_batch_tokens...) is a backend option."""
 
@@ -126,6 +145,7 @@ class TrainConfig:
 
     backend: str = "fsdp"
     world_size: int = 1
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -143,6 +163,7 @@ class WarmstartConfig:
 @dataclass
 class EvalConfig:
     data: str | None = None  # held-out prompts, same format as `data`
+    split: str = "test"  # the split of a hub dataset (files have none)
     every: int = 0  # also evaluate every N steps; 0: only at the end
     max_prompts: int | None = None
     temperature: float = 0.0  # greedy by default
@@ -223,6 +244,23 @@ class CheckpointConfig:
 
 
 @dataclass
+class PlannerConfig:
+    """The memory planner (`miles recipes plan`), which `miles run` also runs before launch."""
+
+    # Memory of one GPU; null: read from this machine's GPU at launch (no check without one).
+    gpu_mem_gb: float | None = None
+    usable_fraction: float = 0.9  # of gpu_mem_gb: the rest goes to the CUDA context, NCCL...
+    prompt_tokens: int = 1024  # the prompt length the KV cache is sized for (plus max_new_tokens)
+    check: bool = True  # false: `miles run` skips the pre-launch memory check
+
+    def __post_init__(self) -> None:
+        if not 0 < self.usable_fraction <= 1 or self.prompt_tokens < 1:
+            raise ValueError("planner: usable_fraction in (0, 1] and prompt_tokens >= 1")
+        if self.gpu_mem_gb is not None and self.gpu_mem_gb <= 0:
+            raise ValueError("planner.gpu_mem_gb must be > 0")
+
+
+@dataclass
 class TelemetryConfig:
     progress: bool = True
     sinks: list[ComponentRef] = field(default_factory=lambda: [ComponentRef("jsonl")])
@@ -251,6 +289,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -310,6 +349,13 @@ _DEFAULT_PROVIDERS = {
 }
 
 
+# The production backends the frontier recipes name, and the package that provides each.
+_PRODUCTION_BACKENDS = {
+    "megatron": "the miles-megatron package (Megatron-core training; not in this release yet)",
+    "sglang": "the miles-sglang package (SGLang rollout; not in this release yet)",
+}
+
+
 def validate(config: RunConfig, manager: Any) -> None:
     """Checks every component name and its options against the installed plugins."""
     problems: list[str] = []
@@ -327,6 +373,8 @@ def validate(config: RunConfig, manager: Any) -> None:
         except LookupError as exc:
             provider = _DEFAULT_PROVIDERS.get(kind)
             hint = f"; `pip install {provider}` provides the built-in ones" if provider else ""
+            if name in _PRODUCTION_BACKENDS:
+                hint = f"; {_PRODUCTION_BACKENDS[name]} provides it"
             problems.append(f"{path}: {exc}{hint}")
             return
         if spec.config is None:
@@ -378,12 +426,17 @@ def validate(config: RunConfig, manager: Any) -> None:
         ref(Kind.METRIC_SINK, s, f"telemetry.sinks[{i}]")
     if config.model.family is not None:
         check(Kind.FAMILY, config.model.family, "model.family", {})
+    problems.extend(_parallel_problems(config, manager))
     problems.extend(_check_run_shape(config))
     from miles.core.routing import check_replay
 
     replay_problem = check_replay(manager, config.model.path, config.moe.routing_replay)
     if replay_problem:
         problems.append(replay_problem)
+    from miles.core.family import notices_for
+
+    notices = notices_for(manager, config.model.path, config.model.family)
+    problems.extend(f"model.path: {n.message}" for n in notices if n.fatal)
     if problems:
         raise ConfigError(problems)
 
@@ -430,6 +483,30 @@ def _check_run_shape(config: RunConfig) -> list[str]:
     for path in (config.data.path, config.warmstart.data, config.eval.data):
         if path and _looks_local(path) and not Path(path).exists():
             problems.append(f"{path}: file not found")
+    return problems
+
+
+def _parallel_problems(config: RunConfig, manager: Any) -> list[str]:
+    """train.parallel sizes the train backend cannot do, or that do not divide the ranks."""
+    parallel, train = config.train.parallel, config.train
+    try:
+        capabilities = manager.get(Kind.TRAIN_BACKEND, train.backend).spec.capabilities
+    except LookupError:
+        return []  # reported already
+    problems = []
+    for name in ("tensor", "pipeline", "expert", "context"):
+        size = getattr(parallel, name)
+        if size > 1 and f"{name}_parallel" not in capabilities:
+            problems.append(
+                f"train.parallel.{name}: train backend {train.backend!r} has no {name} "
+                f"parallelism (it shards the model over data-parallel ranks); set it to 1, or use "
+                "a train backend that has it (miles-megatron)"
+            )
+    if train.world_size % parallel.model_parallel:
+        problems.append(
+            f"train.world_size: {train.world_size} is not a multiple of tensor x pipeline x "
+            f"context ({parallel.model_parallel})"
+        )
     return problems
 
 

@@ -5,18 +5,98 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles.core.components import Component
+    from miles.core.config import RunConfig
 
 
 @dataclass
 class Recipe:
     """A ready-to-run config.
 
-    `prepare(assets_dir, seed)` may build what the config points at (a tiny model, generated data)
-    and returns dotted-key overrides such as ``{"model.path": ...}``. It must be idempotent: a
-    resumed run calls it again on the same directory.
+    `prepare(assets_dir, config)` may build what the config points at (a tiny model, generated
+    data) and returns dotted-key overrides such as ``{"model.path": ...}``; `prepares` names those
+    keys. It must be idempotent: a resumed run calls it again on the same directory.
     """
 
     config: dict[str, Any]
-    prepare: Callable[[Path, int], dict[str, Any]] | None = None
+    prepare: Callable[[Path, RunConfig], dict[str, Any]] | None = None
     description: str = ""
+    prepares: tuple[str, ...] = ()
+
+
+def describe(component: Component) -> dict[str, Any]:
+    """A recipe's row in `miles recipes list`: its model and how many GPUs its layout takes."""
+    from miles.core.config import ConfigError, parse
+    from miles.core.planner import layout_of
+
+    recipe: Recipe = component.spec.factory()
+    model = recipe.config.get("model", {}).get("path") or "(made at run time)"
+    try:
+        config = parse(dict(recipe.config))
+        gpus: int | str = layout_of(config).total_gpus
+    except ConfigError:
+        gpus = "?"
+    return {
+        "name": component.name,
+        "model": model,
+        "gpus": gpus,
+        "provided_by": component.provider,
+        "summary": component.spec.summary,
+    }
+
+
+def resolved_yaml(recipe: Recipe, overrides: list[str]) -> str:
+    """The recipe's config with every default filled in, as YAML (what `miles run` would save,
+    before the recipe's own `prepare` fills in what it makes)."""
+    import yaml
+
+    from miles.core.config import apply_overrides, parse
+    from miles.core.plugins import get_plugin_manager
+
+    config = with_defaults(
+        parse(apply_overrides(dict(recipe.config), overrides)), get_plugin_manager()
+    )
+    text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+    if recipe.prepares:
+        made = ", ".join(recipe.prepares)
+        text = f"# made by the recipe at run time (in RUN_DIR/assets): {made}\n" + text
+    return text
+
+
+def with_defaults(config: RunConfig, manager: Any) -> RunConfig:
+    """`config` with each named component's options completed by the defaults of its own config
+    section (left as they are for a component not installed here). Backend options stay as
+    given: the run derives some of them (the engine dtype from `precision`, routing from `moe`),
+    so pinning their defaults here would override that."""
+    import dataclasses
+
+    from miles.core.components import Kind
+    from miles.core.planner import backend_options
+
+    def fill(kind: Kind, ref: Any) -> Any:
+        if ref is None:
+            return None
+        return dataclasses.replace(
+            ref, options=backend_options(manager, kind, ref.name, ref.options)
+        )
+
+    algo = config.algorithm
+    return dataclasses.replace(
+        config,
+        rollout=dataclasses.replace(
+            config.rollout, function=fill(Kind.ROLLOUT_FUNCTION, config.rollout.function)
+        ),
+        reward=fill(Kind.REWARD, config.reward),
+        filters=[fill(Kind.FILTER, f) for f in config.filters],
+        algorithm=dataclasses.replace(
+            algo,
+            advantage=fill(Kind.ADVANTAGE, algo.advantage),
+            loss=fill(Kind.LOSS, algo.loss),
+            correction=fill(Kind.CORRECTION, algo.correction),
+            value_loss=fill(Kind.LOSS, algo.value_loss),
+        ),
+        precision=fill(Kind.PRECISION, config.precision),
+    )

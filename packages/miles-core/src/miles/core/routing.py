@@ -27,6 +27,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+from miles.core.family import ModelFamily as ModelFamily
+from miles.core.family import family_for, read_config, text_config
+
 if TYPE_CHECKING:
     import torch
 
@@ -43,26 +46,6 @@ class RouterAdapter(Protocol):
     ) -> torch.Tensor:
         """The gate weights the router would give `indices` ([tokens, top_k]) from `logits`."""
         ...
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """A model family component (`model.family`, or found by the checkpoint's model_type)."""
-
-    name: str
-    model_types: tuple[str, ...]  # config.json "model_type" values this family covers
-    router: RouterAdapter | None = None  # None: a dense family, nothing to replay
-
-
-def family_for(manager: Any, model_type: str) -> ModelFamily | None:
-    """The installed family that covers `model_type`, if any."""
-    from miles.core.components import Kind
-
-    for name in manager.registry.names(Kind.FAMILY):
-        family = manager.get(Kind.FAMILY, name).spec.factory()
-        if model_type in family.model_types:
-            return family  # type: ignore[no-any-return]
-    return None
 
 
 def router_adapter(model: Any, setting: str) -> RouterAdapter | None:
@@ -84,17 +67,10 @@ def router_adapter(model: Any, setting: str) -> RouterAdapter | None:
 def model_type_of(model_path: str) -> str | None:
     """config.json's model_type of a local checkpoint (a multimodal wrapper: its text model's);
     None for a hub id or a directory without one."""
-    import json
-    from pathlib import Path
-
-    file = Path(model_path) / "config.json"
-    if not file.is_file():
+    config = read_config(model_path)
+    if config is None:
         return None
-    config = json.loads(file.read_text())
-    text = config.get("text_config")
-    if isinstance(text, dict) and text.get("model_type"):
-        return str(text["model_type"])
-    model_type = config.get("model_type")
+    model_type = text_config(config).get("model_type") or config.get("model_type")
     return str(model_type) if model_type else None
 
 

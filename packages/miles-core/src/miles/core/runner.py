@@ -80,13 +80,49 @@ def resolve_config(request: RunRequest) -> tuple[RunConfig, Path, Recipe | None]
     if recipe is not None and recipe.prepare is not None:
         assets = run_dir / "assets"
         assets.mkdir(parents=True, exist_ok=True)
-        prepared = recipe.prepare(assets, config.seed)
+        prepared = recipe.prepare(assets, config)
         # The recipe fills in paths to what it made; the user's --set still wins.
         data = apply_overrides(data, [f"{k}={_yaml_scalar(v)}" for k, v in prepared.items()])
         data = apply_overrides(data, request.overrides)
         config = parse(data)
     validate(config, get_plugin_manager())
+    from miles.core.family import notices_for
+
+    for notice in notices_for(get_plugin_manager(), config.model.path, config.model.family):
+        log.warning("model family notice", notice=notice.message)
+    check_memory(config)
     return config, run_dir, recipe
+
+
+def check_memory(config: RunConfig) -> None:
+    """Refuses a layout whose memory plan does not fit the GPUs, showing the plan. Runs when the
+    GPU memory is known (planner.gpu_mem_gb, or this machine's GPU) and the model can be sized."""
+    if not config.planner.check:
+        return
+    from miles.core.planner import PlanError, UnsizedModel, format_plan, local_gpu_memory_gb, plan
+
+    gpu_mem = config.planner.gpu_mem_gb or local_gpu_memory_gb()
+    if gpu_mem is None:
+        return  # a CPU run
+    try:
+        result = plan(config, get_plugin_manager(), gpu_mem_gb=gpu_mem)
+    except UnsizedModel as exc:
+        log.info("memory plan skipped", reason=str(exc))
+        return
+    except PlanError as exc:
+        raise ConfigError([f"train/rollout layout: {exc}"]) from None
+    if result.fits is False:
+        raise ConfigError(
+            [
+                "the run does not fit in GPU memory (planner.check: false skips this check):\n"
+                + format_plan(result)
+            ]
+        )
+    log.info(
+        "memory plan",
+        peak_gb=round(result.peak / 1e9, 2),
+        usable_gb=round((result.usable or 0) / 1e9, 2),
+    )
 
 
 def _yaml_scalar(value: Any) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from miles.core.config import RunConfig
 from miles.core.recipe import Recipe
 
 CONFIG: dict[str, Any] = {
@@ -37,15 +38,24 @@ CONFIG: dict[str, Any] = {
 }
 
 
-def prepare(assets: Path, seed: int, *, moe: bool = False) -> dict[str, Any]:
-    """Makes the tiny model, tokenizer and datasets once; a resumed run reuses them."""
+PREPARES = ("model.path", "data.path", "eval.data", "warmstart.data")
+
+
+def prepare(assets: Path, config: RunConfig, *, default_family: str = "qwen3") -> dict[str, Any]:
+    """Makes the tiny model, tokenizer and datasets once; a resumed run reuses them.
+
+    The model is the tiny twin of `model.family` (default: Qwen3), so the same task runs on any
+    installed family: `miles run quickstart --set model.family=deepseek_v4`.
+    """
     from miles.recipes import quickstart_task
 
     model_dir, data_dir = assets / "model", assets / "data"
     if not (model_dir / "config.json").exists():
-        quickstart_task.build_model(model_dir, seed, moe=moe)
+        quickstart_task.build_model(
+            model_dir, config.seed, family=config.model.family or default_family
+        )
     if not (data_dir / "eval.jsonl").exists():
-        paths = quickstart_task.write_datasets(data_dir, seed)
+        paths = quickstart_task.write_datasets(data_dir, config.seed)
     else:
         paths = {n: str(data_dir / f"{n}.jsonl") for n in ("rl_train", "eval", "sft")}
     return {
@@ -57,7 +67,7 @@ def prepare(assets: Path, seed: int, *, moe: bool = False) -> dict[str, Any]:
 
 
 def quickstart() -> Recipe:
-    return Recipe(config=CONFIG, prepare=prepare, description=__doc__ or "")
+    return Recipe(config=CONFIG, prepare=prepare, description=__doc__ or "", prepares=PREPARES)
 
 
 # The same task on a tiny Qwen3-MoE (4 experts, top-2), with routing replay on: the engines record
@@ -70,9 +80,11 @@ CONFIG_MOE: dict[str, Any] = {
 }
 
 
-def prepare_moe(assets: Path, seed: int) -> dict[str, Any]:
-    return prepare(assets, seed, moe=True)
+def prepare_moe(assets: Path, config: RunConfig) -> dict[str, Any]:
+    return prepare(assets, config, default_family="qwen3_moe")
 
 
 def quickstart_moe() -> Recipe:
-    return Recipe(config=CONFIG_MOE, prepare=prepare_moe, description=__doc__ or "")
+    return Recipe(
+        config=CONFIG_MOE, prepare=prepare_moe, description=__doc__ or "", prepares=PREPARES
+    )

@@ -23,16 +23,13 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 NUM_VALUES = 20  # the numbers are the words "0" ... "19"
 NUM_ITEMS = 4  # numbers per prompt; chance-level reward is 1 / NUM_ITEMS
 INSTRUCTION = "max"
-
-if TYPE_CHECKING:
-    from transformers import Qwen3Config
 
 PAD, UNK, IM_START, IM_END = "<|pad|>", "<|unk|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD, UNK, IM_START, IM_END)
@@ -79,53 +76,13 @@ def build_tokenizer(out_dir: str | Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-def model_config(**overrides: Any) -> Qwen3Config:
-    """A ~100k-parameter Qwen3: big enough for the rule, small enough for a 2-core CPU."""
-    from transformers import Qwen3Config
+def build_model(out_dir: str | Path, seed: int, *, family: str = "qwen3", **overrides: Any) -> None:
+    """Writes the tiny twin of `family` (random weights, safetensors) with this task's tokenizer
+    to `out_dir`. The Qwen3 twin is a ~100k-parameter model: big enough for the rule, small
+    enough for a 2-core CPU; the Qwen3-MoE twin has the same shape with 4 experts, top-2."""
+    from miles.recipes.twins import write_twin
 
-    vocab = vocabulary()
-    kwargs: dict[str, Any] = {
-        "vocab_size": len(vocab),
-        "hidden_size": 64,
-        "intermediate_size": 192,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": True,
-        # 5x Qwen's 0.02: at 0.02 the SFT warm-start sits on the "any number" plateau for hundreds
-        # of steps before it learns to copy from the prompt; at 0.1 it copies within ~60 steps.
-        "initializer_range": 0.1,
-        "pad_token_id": vocab.index(PAD),
-        "eos_token_id": vocab.index(IM_END),
-        "bos_token_id": None,
-    }
-    return Qwen3Config(**(kwargs | overrides))
-
-
-def build_model(out_dir: str | Path, seed: int, *, moe: bool = False, **overrides: Any) -> None:
-    """Writes a randomly initialised model (safetensors) plus the tokenizer files to `out_dir`.
-    `moe`: a Qwen3-MoE of the same shape, 4 experts of which each token uses 2."""
-    import torch
-    from transformers import GenerationConfig, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config: Any = model_config(**overrides)
-    torch.manual_seed(seed)
-    if moe:
-        config = Qwen3MoeConfig(
-            **config.to_diff_dict()
-            | {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96}
-            | {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
-        )
-        model: Any = Qwen3MoeForCausalLM(config)
-    else:
-        model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
-    )
-    model.save_pretrained(str(out_dir))
-    build_tokenizer(out_dir)
+    write_twin(family, out_dir, seed=seed, **overrides)
 
 
 def make_prompt(numbers: list[int]) -> str:

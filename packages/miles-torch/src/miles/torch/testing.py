@@ -105,6 +105,7 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             n_shared_experts=1,
             first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE: adapters must skip dense
             num_hidden_layers=3,
+            num_key_value_heads=4,  # MLA: one key per query head (as the real model)
             kv_lora_rank=16,
             q_lora_rank=None,
             qk_rope_head_dim=8,

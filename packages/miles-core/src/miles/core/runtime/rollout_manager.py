@@ -57,6 +57,28 @@ class _Context:
         return await self._dispatcher.generate(requests)
 
 
+def _messages(prompt: Any) -> list[dict[str, str]]:
+    """A prompt field as chat messages: a string is one user message; a list of
+    {"role", "content"} messages (as in many RL datasets) is taken as it is."""
+    if not isinstance(prompt, list):
+        return [{"role": "user", "content": str(prompt)}]
+    if all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt):
+        return [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+    raise ValueError(
+        f"data prompt must be a string or a list of {{role, content}} messages, got "
+        f"{str(prompt)[:80]!r}"
+    )
+
+
+def _plain_text(prompt: Any) -> str:
+    if not isinstance(prompt, list):
+        return str(prompt)
+    raise ValueError(
+        "data.chat_template: false needs prompts that are strings; this one is a list of "
+        "messages: set data.chat_template: true"
+    )
+
+
 class RolloutManager:
     def __init__(
         self,
@@ -66,16 +88,16 @@ class RolloutManager:
         launcher: EngineLauncher | None = None,
     ) -> None:
         init_actor_process(run_dir, role="rollout_manager")
-        from transformers import AutoTokenizer
+        from miles.core.family import load_tokenizer
 
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.tokenizer = load_tokenizer(config.model.path)
         self.source = PromptSource(
             read_rows(config.data.path, config.data.split),
             seed=config.seed,
             shuffle=config.data.shuffle,
         )
-        self.eval_rows = read_rows(config.eval.data) if config.eval.data else []
+        self.eval_rows = read_rows(config.eval.data, config.eval.split) if config.eval.data else []
         self.rollout_fn = build_component(
             Kind.ROLLOUT_FUNCTION, config.rollout.function, path="rollout.function"
         )
@@ -135,19 +157,21 @@ class RolloutManager:
                 raise KeyError(
                     f"data row has no {key!r} field (fields: {sorted(row)}); set data.prompt_key"
                 )
-        texts: Any = [str(row[key]) for row in rows]
+        prompts = [row[key] for row in rows]
         if self.config.data.chat_template:
             system = self.config.data.system_prompt
             chats = [
                 [
                     *([{"role": "system", "content": system}] if system else []),
-                    {"role": "user", "content": text},
+                    *_messages(prompt),
                 ]
-                for text in texts
+                for prompt in prompts
             ]
-            texts = self.tokenizer.apply_chat_template(
+            texts: Any = self.tokenizer.apply_chat_template(
                 chats, add_generation_prompt=True, tokenize=False
             )
+        else:
+            texts = [_plain_text(prompt) for prompt in prompts]
         # The rendered template already holds every special token it wants.
         return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 

@@ -1,12 +1,284 @@
-"""Qwen3 (dense) and Qwen3-MoE."""
+"""Qwen3 (dense) and Qwen3-MoE: GQA attention with per-head q/k RMSNorm, SwiGLU MLPs; the MoE
+variant routes with a softmax top-k router (optionally renormalised) over experts with no shared
+expert. Both are plain causal LMs (`Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`)."""
 
-from miles.core.routing import ModelFamily
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from miles.core.family import Config, ModelFamily, ModelShape, Notice, ParallelHints, ParamCounts
 from miles.recipes.families.routers import SoftmaxTopKRouter
+from miles.recipes.families.sizing import embeddings, linear, moe_act, swiglu, swiglu_act
+
+# Defaults of transformers' Qwen3Config / Qwen3MoeConfig for the fields `shape` reads, so a
+# config.json that leaves them out sizes like the model transformers builds from it.
+QWEN3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,  # None: as many as the attention heads
+    "head_dim": 128,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+    "layer_types": None,
+}
+QWEN3_MOE_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": None,  # not a Qwen3MoeConfig field: the attention uses hidden / heads then
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 768,
+    "num_experts_per_tok": 8,
+    "num_experts": 128,
+    "norm_topk_prob": False,
+    "mlp_only_layers": [],
+}
+
+
+def with_defaults(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` with transformers' defaults filled in where a field is absent."""
+    return {**defaults, **config}
+
+
+def gqa_params(c: Mapping[str, Any], heads: int, kv_heads: int, head_dim: int) -> int:
+    """q/k/v/o projections and the per-head q/k RMSNorms of a Qwen3 attention block."""
+    hidden, bias = int(c["hidden_size"]), bool(c["attention_bias"])
+    return (
+        linear(hidden, heads * head_dim, bias)
+        + 2 * linear(hidden, kv_heads * head_dim, bias)
+        + linear(heads * head_dim, hidden, bias)
+        + 2 * head_dim
+    )
+
+
+def gqa_act(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Per token: the block's input, q/k/v outputs, q/k after norm and rope, the attention output
+    and the output projection's result."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return hidden + (q + 2 * kv) + (q + kv) + q + hidden
+
+
+def quantization_notices(config: Config) -> list[Notice]:
+    """A pre-quantized checkpoint: transformers loads it into its own quantized modules (FP8
+    linears, packed int4...), whose weights are not trainable parameters and whose layout is not
+    what Miles syncs to the engines, so training would silently leave them frozen."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, Mapping):
+        return []
+    if quant.get("dequantize"):  # transformers dequantizes to bf16 at load: plain weights
+        return []
+    method = quant.get("quant_method", "unknown")
+    return [
+        Notice(
+            f"pre-quantized checkpoint (quantization_config.quant_method={method!r}): Miles "
+            "trains and syncs full-precision weights and cannot train transformers' quantized "
+            "modules; use the bf16 checkpoint (Miles' `precision` setting quantizes the rollout "
+            "engines itself), or set quantization_config.dequantize: true to load it as bf16",
+            fatal=True,
+        )
+    ]
+
+
+def aux_loss_notices(config: Config) -> list[Notice]:
+    """MoE routers: transformers adds the load-balancing loss only when asked for router logits
+    with labels; Miles' losses never ask."""
+    if float(config.get("router_aux_loss_coef", 0.001) or 0) <= 0:
+        return []
+    return [
+        Notice(
+            "the router load-balancing loss (router_aux_loss_coef) is not applied: RL trains "
+            "the routers through the policy loss only"
+        )
+    ]
+
+
+def _kv_and_window(
+    c: Mapping[str, Any], sliding: list[bool], kv_heads: int, head_dim: int
+) -> tuple[int, int]:
+    """(KV elements per token over full-attention layers, elements one sequence holds in the
+    sliding-window layers' caches at a full window)."""
+    per_layer = 2 * kv_heads * head_dim
+    full = sum(not s for s in sliding)
+    window = int(c["sliding_window"] or 0)
+    return full * per_layer, sum(sliding) * window * per_layer
+
+
+def qwen3_shape(config: Config) -> ModelShape:
+    c = with_defaults(config, QWEN3_DEFAULTS)
+    hidden, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+    heads = int(c["num_attention_heads"])
+    kv_heads = int(c["num_key_value_heads"] or heads)
+    head_dim = int(c["head_dim"] or hidden // heads)
+    inter = int(c["intermediate_size"])
+    per_layer = gqa_params(c, heads, kv_heads, head_dim) + swiglu(hidden, inter) + 2 * hidden
+    embed, head = embeddings(c)
+    # Qwen3Config: with use_sliding_window, layers from max_window_layers on slide (unless
+    # config.json lists layer_types itself).
+    window = c["sliding_window"] if c["use_sliding_window"] else None
+    types = c["layer_types"] or [
+        "sliding_attention"
+        if window is not None and i >= int(c["max_window_layers"])
+        else "full_attention"
+        for i in range(layers)
+    ]
+    sliding = [t == "sliding_attention" and window is not None for t in types]
+    kv, state = _kv_and_window({**c, "sliding_window": window}, sliding, kv_heads, head_dim)
+    act = 2 * hidden + gqa_act(hidden, heads, kv_heads, head_dim) + swiglu_act(hidden, inter)
+    return ModelShape(
+        params=ParamCounts(embedding=embed, lm_head=head, layers=layers * per_layer, other=hidden),
+        num_layers=layers,
+        hidden_size=hidden,
+        vocab_size=int(c["vocab_size"]),
+        active_expert_params=0,
+        kv_elems_per_token=kv,
+        state_elems_per_seq=state,
+        act_elems_per_token=layers * act,
+    )
+
+
+def _is_moe_layer(c: Mapping[str, Any], index: int) -> bool:
+    """Qwen3MoeDecoderLayer's rule for a sparse MLP."""
+    return (
+        index not in (c["mlp_only_layers"] or [])
+        and int(c["num_experts"]) > 0
+        and (index + 1) % int(c["decoder_sparse_step"]) == 0
+    )
+
+
+def qwen3_moe_shape(config: Config) -> ModelShape:
+    c = with_defaults(config, QWEN3_MOE_DEFAULTS)
+    hidden, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+    heads, kv_heads = int(c["num_attention_heads"]), int(c["num_key_value_heads"])
+    head_dim = int(c["head_dim"] or hidden // heads)
+    inter, moe_inter = int(c["intermediate_size"]), int(c["moe_intermediate_size"])
+    experts, top_k = int(c["num_experts"]), int(c["num_experts_per_tok"])
+    attn = gqa_params(c, heads, kv_heads, head_dim) + 2 * hidden
+    attn_act = 2 * hidden + gqa_act(hidden, heads, kv_heads, head_dim)
+    moe = [_is_moe_layer(c, i) for i in range(layers)]
+    n_moe = sum(moe)
+    dense_params = (layers - n_moe) * swiglu(hidden, inter)
+    expert = swiglu(hidden, moe_inter)  # one expert's gate, up and down projections
+    embed, head = embeddings(c)
+    # Qwen3-MoE slides every layer when use_sliding_window is set.
+    window = c["sliding_window"] if c["use_sliding_window"] else None
+    kv, state = _kv_and_window(
+        {**c, "sliding_window": window}, [window is not None] * layers, kv_heads, head_dim
+    )
+    act = layers * attn_act + sum(
+        moe_act(hidden, moe_inter, top_k, experts) if m else swiglu_act(hidden, inter) for m in moe
+    )
+    return ModelShape(
+        params=ParamCounts(
+            embedding=embed,
+            lm_head=head,
+            layers=layers * attn + dense_params + n_moe * experts * hidden,  # + routers
+            experts=n_moe * experts * expert,
+            other=hidden,
+        ),
+        num_layers=layers,
+        hidden_size=hidden,
+        vocab_size=int(c["vocab_size"]),
+        active_expert_params=n_moe * top_k * expert,
+        kv_elems_per_token=kv,
+        state_elems_per_seq=state,
+        act_elems_per_token=act,
+    )
+
+
+def qwen3_parallel(config: Config) -> ParallelHints:
+    c = with_defaults(config, QWEN3_DEFAULTS)
+    heads = int(c["num_attention_heads"])
+    return ParallelHints(
+        tensor_divides=(
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", int(c["num_key_value_heads"] or heads)),
+            ("intermediate_size", int(c["intermediate_size"])),
+        )
+    )
+
+
+def qwen3_moe_parallel(config: Config) -> ParallelHints:
+    c = with_defaults(config, QWEN3_MOE_DEFAULTS)
+    return ParallelHints(
+        tensor_divides=(
+            ("num_attention_heads", int(c["num_attention_heads"])),
+            ("num_key_value_heads", int(c["num_key_value_heads"])),
+            ("moe_intermediate_size", int(c["moe_intermediate_size"])),
+        ),
+        expert_divides=(("num_experts", int(c["num_experts"])),),
+    )
+
+
+def qwen3_moe_notices(config: Config) -> list[Notice]:
+    return quantization_notices(config) + aux_loss_notices(config)
+
+
+def qwen3_tiny() -> dict[str, Any]:
+    # The quickstart recipe relies on these exact values.
+    return {
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "intermediate_size": 192,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.1,
+    }
+
+
+def qwen3_moe_tiny() -> dict[str, Any]:
+    # The quickstart recipe relies on these exact values: 4 experts, top-2, every layer MoE.
+    return {
+        **qwen3_tiny(),
+        "model_type": "qwen3_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 96,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
 
 
 def qwen3() -> ModelFamily:
-    return ModelFamily("qwen3", model_types=("qwen3",))
+    return ModelFamily(
+        "qwen3",
+        model_types=("qwen3",),
+        shape=qwen3_shape,
+        parallel=qwen3_parallel,
+        notices=quantization_notices,
+        tiny=qwen3_tiny,
+        summary="Qwen3 dense: GQA with q/k RMSNorm, SwiGLU MLP",
+        checkpoints=("Qwen/Qwen3-0.6B",),
+    )
 
 
 def qwen3_moe() -> ModelFamily:
-    return ModelFamily("qwen3_moe", model_types=("qwen3_moe",), router=SoftmaxTopKRouter())
+    return ModelFamily(
+        "qwen3_moe",
+        model_types=("qwen3_moe",),
+        router=SoftmaxTopKRouter(),
+        shape=qwen3_moe_shape,
+        parallel=qwen3_moe_parallel,
+        notices=qwen3_moe_notices,
+        tiny=qwen3_moe_tiny,
+        summary="Qwen3-MoE: GQA with q/k RMSNorm, softmax top-k routed experts",
+        checkpoints=("Qwen/Qwen3-30B-A3B",),
+    )

@@ -1,9 +1,16 @@
-"""The running batch: one row per live sequence over a shared, left-padded transformers KV cache.
+"""The running batch: one row per live sequence over a shared transformers cache.
 
-Rows are left-aligned to a common cache length: `mask[b, t]` is 1 where cache slot t of row b
-holds a real token and 0 for padding. Positions are tracked per row, so padding never shifts
-RoPE. Finished rows are dropped (`compact`) and new ones appended (`merge`), which is what lets
-new prompts join while others are still decoding.
+Two layouts, chosen per model by `batching_mode`:
+
+- padded: rows are left-aligned to a common cache length; `mask[b, t]` is 1 where cache slot t of
+  row b holds a real token and 0 for padding. Positions are tracked per row, so padding never
+  shifts RoPE. Finished rows are dropped (`compact`) and new ones appended (`merge`), which is
+  what lets new prompts join while others are still decoding. Per-row states without a sequence
+  dimension (linear-attention conv and recurrent states) are selected and concatenated by row.
+- unpadded: for caches whose contents depend on absolute token slots (sliding windows,
+  compressed-window attention), where padding would change the result. Every row of a batch
+  holds the same number of tokens, so no slot is padding; rows are dropped through the cache's
+  own `reorder_cache`, and such batches are never merged.
 """
 
 from __future__ import annotations
@@ -13,10 +20,24 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (
+    DynamicIndexedLayer,
+    DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionLayer,
+)
 
 from miles.core.types import GenerateRequest
 from miles.torch.engine.sampler import SamplingTensors
+
+# Cache layers whose padded slots stay inert: attention masks them, and linear-attention models
+# zero padded inputs before their convolution and recurrence (transformers' recurrent mask).
+_PADDABLE = (
+    DynamicLayer,
+    DynamicIndexedLayer,
+    LinearAttentionLayer,
+    LinearAttentionAndFullAttentionLayer,
+)
 
 
 @dataclass
@@ -30,6 +51,29 @@ class Row:
     done: bool = False  # finished and reported; still occupies its slot until `compact`
 
 
+def batching_mode(cache: DynamicCache) -> tuple[str, str]:
+    """("padded" or "unpadded", why) for a fresh cache made from the model's config."""
+    kinds = sorted({type(layer).__name__ for layer in cache.layers})
+    odd = [
+        (i, type(layer).__name__)
+        for i, layer in enumerate(cache.layers)
+        if type(layer) not in _PADDABLE
+    ]
+    if odd:
+        i, name = odd[0]
+        return "unpadded", (
+            f"cache layer {i} is a {name}; only full-attention, DSA-indexed and linear-attention "
+            "layers can be left-padded (sliding-window and compressed caches tie state to "
+            "absolute token slots): rows of equal length share a forward"
+        )
+    if any(isinstance(layer, LinearAttentionLayer) for layer in cache.layers):
+        return "padded", (
+            f"cache layers {', '.join(kinds)}: left-padded continuous batching; "
+            "linear-attention states are compacted and merged by row"
+        )
+    return "padded", f"cache layers {', '.join(kinds)}: left-padded continuous batching"
+
+
 @dataclass
 class Batch:
     rows: list[Row]
@@ -38,6 +82,7 @@ class Batch:
     positions: torch.Tensor  # [rows] int64: position id of the next token to feed
     last_tokens: torch.Tensor  # [rows] int64: the next token to feed
     params: SamplingTensors
+    padded: bool = True  # False: every row has the same length and the mask is all ones
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -47,25 +92,52 @@ class Batch:
         return sum(row.done for row in self.rows)
 
     def compact(self) -> None:
-        """Drop the finished rows, then the cache columns no remaining row uses."""
+        """Drop the finished rows, then (padded) the cache columns no remaining row uses."""
         indices = [i for i, row in enumerate(self.rows) if not row.done]
         idx = torch.tensor(indices, dtype=torch.int64, device=self.mask.device)
         self.rows = [self.rows[i] for i in indices]
         self.mask, self.positions = self.mask[idx], self.positions[idx]
         self.last_tokens, self.params = self.last_tokens[idx], self.params.select(idx)
+        if not self.padded:
+            if indices:  # transformers' beam-search reorder selects every state a layer keeps
+                self.cache.reorder_cache(idx)
+            return
         start = int(self.mask.any(dim=0).int().argmax()) if indices else 0
         self.mask = self.mask[:, start:]
-        for layer in _layers(self.cache):
-            layer.keys, layer.values = layer.keys[idx, :, start:], layer.values[idx, :, start:]
+        for layer in self.cache.layers:
+            if isinstance(layer, DynamicLayer) and layer.keys is not None:
+                layer.keys, layer.values = layer.keys[idx, :, start:], layer.values[idx, :, start:]
+            if isinstance(layer, DynamicIndexedLayer):
+                _compact_indexer(layer, idx, start)
+            if isinstance(layer, LinearAttentionLayer):
+                for states in (layer.conv_states, layer.recurrent_states):
+                    for key, state in states.items():
+                        if state is not None:
+                            states[key] = state[idx]
 
     def merge(self, other: Batch) -> None:
         """Append `other`'s rows, left-padding the shorter of the two caches to a common length."""
+        if not (self.padded and other.padded):
+            raise ValueError("only padded batches can be merged")
         length = max(self.mask.shape[1], other.mask.shape[1])
-        for mine, theirs in zip(_layers(self.cache), _layers(other.cache), strict=True):
-            mine.keys = torch.cat([_left_pad(mine.keys, length), _left_pad(theirs.keys, length)])
-            mine.values = torch.cat(
-                [_left_pad(mine.values, length), _left_pad(theirs.values, length)]
-            )
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            if isinstance(mine, DynamicLayer) and mine.keys is not None:
+                mine.keys = torch.cat(
+                    [_left_pad(mine.keys, length), _left_pad(theirs.keys, length)]
+                )
+                mine.values = torch.cat(
+                    [_left_pad(mine.values, length), _left_pad(theirs.values, length)]
+                )
+            if isinstance(mine, DynamicIndexedLayer):
+                _merge_indexer(mine, theirs, length)
+            if isinstance(mine, LinearAttentionLayer):
+                for states, other_states in (
+                    (mine.conv_states, theirs.conv_states),
+                    (mine.recurrent_states, theirs.recurrent_states),
+                ):
+                    for key, state in states.items():
+                        if state is not None:
+                            states[key] = torch.cat([state, other_states[key]])
         self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(other.mask, length)])
         self.rows += other.rows
         self.positions = torch.cat([self.positions, other.positions])
@@ -73,16 +145,33 @@ class Batch:
         self.params = SamplingTensors.cat([self.params, other.params])
 
 
-def _layers(cache: DynamicCache) -> list[DynamicLayer]:
-    # Sliding-window layers drop old slots, which would break the column bookkeeping above.
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise NotImplementedError("only full-attention KV caches are supported (no sliding window)")
-    return cache.layers
+def _compact_indexer(layer: DynamicIndexedLayer, idx: torch.Tensor, start: int) -> None:
+    """DSA indexer keys are [B, T, D] (positions, if kept, [P, B, T]): same rows and columns."""
+    if layer.is_indexer_initialized and layer.indexer_keys.numel():
+        layer.indexer_keys = layer.indexer_keys[idx, start:]
+    if layer.indexer_position_ids is not None:
+        layer.indexer_position_ids = layer.indexer_position_ids[:, idx, start:]
 
 
-def _left_pad(x: torch.Tensor, length: int) -> torch.Tensor:
+def _merge_indexer(mine: DynamicIndexedLayer, theirs: DynamicIndexedLayer, length: int) -> None:
+    if mine.is_indexer_initialized and mine.indexer_keys.numel():
+        mine.indexer_keys = torch.cat(
+            [_left_pad(mine.indexer_keys, length, 1), _left_pad(theirs.indexer_keys, length, 1)]
+        )
+    if mine.indexer_position_ids is not None:
+        mine.indexer_position_ids = torch.cat(
+            [
+                _left_pad(mine.indexer_position_ids, length, 2),
+                _left_pad(theirs.indexer_position_ids, length, 2),
+            ],
+            dim=1,
+        )
+
+
+def _left_pad(x: torch.Tensor, length: int, seq_dim: int | None = None) -> torch.Tensor:
     """Zero-pad the sequence dim (dim 2 of a [B, H, T, D] cache, dim 1 of a [B, T] mask)."""
-    seq_dim = 1 if x.dim() == 2 else 2
+    if seq_dim is None:
+        seq_dim = 1 if x.dim() == 2 else 2
     missing = length - x.shape[seq_dim]
     if missing == 0:
         return x

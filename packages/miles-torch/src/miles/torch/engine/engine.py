@@ -4,6 +4,10 @@ Each step either prefills newly admitted prompts (left-padded, one forward) or r
 step over every row. A row's result is yielded as soon as it finishes; finished rows are dropped
 in bulk and their slots go to waiting prompts, so long generations do not hold short ones back.
 Sampling and logprobs live in `sampler`, the cache bookkeeping in `batch`.
+
+Models whose cache cannot be left-padded (sliding windows, compressed-window attention: see
+`batch.batching_mode`) run unpadded instead: prompts of equal length are admitted together as
+one batch, and each such batch decodes with its own forward.
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
+import structlog
 import torch
 from transformers import DynamicCache
 
 from miles.core.checksum import tensors_checksum
 from miles.core.routing import index_dtype
 from miles.core.types import GenerateRequest, GenerateResult
-from miles.torch.engine.batch import Batch, Row
+from miles.torch.engine.batch import Batch, Row, batching_mode
 from miles.torch.engine.loader import (
     cache_kwarg,
     copy_weights,
@@ -93,6 +98,11 @@ class TorchRolloutEngine:
             self.model.config, "num_local_experts", None
         )
         self._routing_dtype = index_dtype(int(experts or 1))
+        mode, why = batching_mode(DynamicCache(config=self.model.config))
+        self._padded = mode == "padded"
+        structlog.get_logger(__name__).info(
+            "torch engine batching", mode=mode, reason=why, model=model_path
+        )
 
     @property
     def weight_version(self) -> int:
@@ -120,29 +130,58 @@ class TorchRolloutEngine:
         yield from (
             self._result(Row(r), "length") for r in requests if not r.sampling.max_new_tokens
         )
-        batch: Batch | None = None
-        while pending or batch:
+        batches: list[Batch] = []  # padded: at most one; unpadded: one per admitted group
+        while pending or batches:
             if self._paused or self._released:
-                rows = [row for row in (batch.rows if batch else []) if not row.done]
+                rows = [row for batch in batches for row in batch.rows if not row.done]
                 rows += [Row(r) for r in pending]
                 yield from (self._result(row, "abort") for row in rows)
                 return
             # Yield outside the lock and inference mode: the consumer runs while we are suspended.
             with self._lock, torch.inference_mode():
-                batch, finished = self._step(batch, pending)
+                batches, finished = self._step(batches, pending)
             yield from finished
 
     def _step(
-        self, batch: Batch | None, pending: deque[GenerateRequest]
-    ) -> tuple[Batch | None, list[GenerateResult]]:
+        self, batches: list[Batch], pending: deque[GenerateRequest]
+    ) -> tuple[list[Batch], list[GenerateResult]]:
         """Prefill newly admitted prompts if there is room, else decode one token for every row."""
-        free = self.max_batch_size - (len(batch) if batch else 0)
+        free = self.max_batch_size - sum(len(batch) for batch in batches)
         if pending and free > 0:
-            step, logits = self._prefill(
-                [pending.popleft() for _ in range(min(free, len(pending)))]
-            )
-        else:
-            step, logits = batch, self._decode(batch)
+            step, logits = self._prefill(self._admit(pending, free))
+            finished = self._advance(step, logits)
+            step.compact()  # a fresh prefill batch is small: compact now
+            if len(step):
+                if self._padded and batches:
+                    batches[0].merge(step)
+                else:
+                    batches.append(step)
+            return batches, finished
+        finished = []
+        for batch in batches:
+            finished += self._advance(batch, self._decode(batch))
+            # Dropping rows copies the whole cache, so finished rows ride along (their tokens
+            # ignored) until a quarter of the batch is done; then one copy drops them all and
+            # the freed slots are refilled in one prefill.
+            if 4 * batch.num_done >= len(batch):
+                batch.compact()
+        return [batch for batch in batches if len(batch)], finished
+
+    def _admit(self, pending: deque[GenerateRequest], free: int) -> list[GenerateRequest]:
+        """The next prompts to prefill together: the first `free` (unpadded: the first `free` of
+        the head's prompt length, so that the batch needs no padding)."""
+        if self._padded:
+            return [pending.popleft() for _ in range(min(free, len(pending)))]
+        n = len(pending[0].prompt_ids)
+        taken = [r for r in pending if len(r.prompt_ids) == n][:free]
+        chosen = {id(r) for r in taken}
+        rest = [r for r in pending if id(r) not in chosen]
+        pending.clear()
+        pending.extend(rest)
+        return taken
+
+    def _advance(self, step: Batch, logits: torch.Tensor) -> list[GenerateResult]:
+        """Sample each row's next token from `logits`; the results of the rows that finish."""
         step.last_tokens, logprobs = sample(logits, step.params, self._generator)
         finished = []
         for row, token, logprob in zip(
@@ -156,17 +195,7 @@ class TorchRolloutEngine:
             if reason is not None:
                 row.done = True
                 finished.append(self._result(row, reason))
-        # Dropping rows copies the whole KV cache, so finished rows ride along (their tokens
-        # ignored) until a quarter of the batch is done; then one copy drops them all and the
-        # freed slots are refilled in one prefill. A fresh prefill batch is small: compact now.
-        if step is not batch or 4 * step.num_done >= len(step):
-            step.compact()
-        if step is not batch and len(step):
-            if batch is None:
-                batch = step
-            else:
-                batch.merge(step)
-        return (batch if batch is not None and len(batch) else None), finished
+        return finished
 
     def _prefill(self, requests: list[GenerateRequest]) -> tuple[Batch, torch.Tensor]:
         """Run the prompts through the model as one left-padded batch; last-position logits."""
@@ -207,6 +236,7 @@ class TorchRolloutEngine:
             positions=mask.sum(dim=1),
             last_tokens=ids[:, -1],
             params=SamplingTensors.from_params([r.sampling for r in requests], self.device),
+            padded=self._padded,
         )
         return batch, out.logits[:, -1]
 

@@ -6,7 +6,10 @@ import inspect
 from collections.abc import Iterable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
+
+from miles.core.family import load_tokenizer
+from miles.torch.models import load_causal_lm
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,9 +22,9 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 def load_model(model_path: str, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer) from a local directory or hub id; the model in eval mode, no grads."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    model = load_causal_lm(model_path, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     return model, tokenizer
 
 

@@ -35,10 +35,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoModelForTokenClassification
 
 from miles.core.protocols import LossInputs, PolicyLoss
 from miles.core.types import PackedBatch
+from miles.torch.models import load_causal_lm
 from miles.torch.train import checkpoint as ckpt
 from miles.torch.train.config import FSDPConfig
 from miles.torch.train.logprobs import token_logprobs
@@ -681,9 +682,7 @@ def _init_process_group(
 
 def _load_hf_model(path: str, attn_implementation: str) -> torch.nn.Module:
     # fp32 master weights on CPU; fully_shard moves each rank's shard to the mesh's device.
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation
-    )
+    return load_causal_lm(path, dtype=torch.float32, attn_implementation=attn_implementation)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,0 +1,179 @@
+"""The memory planner's arithmetic, on a made-up family whose sizes are round numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from miles.core.components import Kind
+from miles.core.config import parse
+from miles.core.family import ModelFamily, ModelShape, ParallelHints, ParamCounts
+from miles.core.planner import (
+    GB,
+    PlanError,
+    UnsizedModel,
+    format_plan,
+    layout_of,
+    parse_memory,
+    plan,
+    rescale,
+)
+
+PARAMS = ParamCounts(embedding=1000, lm_head=1000, layers=6000, experts=8000, other=0)
+SHAPE = ModelShape(
+    params=PARAMS,
+    num_layers=4,
+    hidden_size=10,
+    vocab_size=100,
+    active_expert_params=2000,
+    kv_elems_per_token=40,
+    state_elems_per_seq=500,
+    act_elems_per_token=400,
+)
+FAMILY = ModelFamily(
+    "toy",
+    model_types=("toy",),
+    shape=lambda config: SHAPE,
+    parallel=lambda config: ParallelHints(
+        tensor_divides=(("num_attention_heads", 8),), expert_divides=(("num_experts", 16),)
+    ),
+)
+
+
+class _Spec:
+    def __init__(self, factory: Any, config: type | None = None) -> None:
+        self.factory, self.config = factory, config
+
+
+class _Entry:
+    def __init__(self, spec: _Spec) -> None:
+        self.spec = spec
+
+
+class _Registry:
+    def names(self, kind: Kind) -> list[str]:
+        return ["toy"] if kind == Kind.FAMILY else []
+
+
+class FakeManager:
+    """Only the toy family; backends unknown (their options are taken as given)."""
+
+    registry = _Registry()
+
+    def get(self, kind: Kind, name: str) -> _Entry:
+        if kind == Kind.FAMILY and name == "toy":
+            return _Entry(_Spec(lambda: FAMILY))
+        raise LookupError(name)
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "toy"}))
+    return str(tmp_path)
+
+
+def _run(model: str, **sections: Any) -> Any:
+    data: dict[str, Any] = {
+        "model": {"path": model},
+        "data": {"path": "x.jsonl"},
+        "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 100},
+        "planner": {"prompt_tokens": 28},
+        "train": {"micro_batch_tokens": 50},
+        "precision": "bf16",
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return parse(data)
+
+
+def test_fsdp_shards_master_weights_grads_and_adam_over_every_rank(model: str) -> None:
+    p = plan(_run(model, train={"world_size": 4}), FakeManager())
+    total = PARAMS.language_model  # 16000
+    biggest_layer = (PARAMS.layers + PARAMS.experts) / 4  # gathered whole, in bf16
+    assert p.train["weights"] == pytest.approx(4 * total / 4 + 2 * biggest_layer)
+    assert p.train["gradients"] == pytest.approx(4 * total / 4)
+    assert p.train["optimizer"] == pytest.approx(8 * total / 4)
+    # 50 tokens x 400 saved elements x 2 bytes, plus fp32 logits and their log-softmax.
+    assert p.train["activations"] == pytest.approx(50 * 400 * 2 + 50 * 100 * 8)
+
+
+def test_activation_checkpointing_keeps_only_layer_inputs(model: str) -> None:
+    p = plan(_run(model, train={"activation_checkpointing": True}), FakeManager())
+    per_layer = 400 / 4
+    assert p.train["activations"] == pytest.approx(50 * (10 * 4 + per_layer) * 2 + 50 * 100 * 8)
+
+
+def test_megatron_splits_by_tp_pp_ep_and_the_optimizer_by_dp(model: str) -> None:
+    run = _run(
+        model,
+        train={
+            "backend": "megatron",
+            "world_size": 16,
+            "parallel": {"tensor": 2, "pipeline": 2, "expert": 4},
+        },
+    )
+    p = plan(run, FakeManager())
+    share = 6000 / (2 * 2) + 8000 / (2 * 4) + 1000 / 2  # stage layers + experts + vocab part
+    assert p.train["weights"] == pytest.approx(2 * share)
+    assert p.train["gradients"] == pytest.approx(4 * share)
+    assert p.train["optimizer"] == pytest.approx(12 * share / 4)  # DP = 16 / (2 x 2)
+    assert p.train["activations"] == pytest.approx((50 * 400 * 2 + 50 * 100 * 8) / 2)
+
+
+def test_rollout_kv_cache_is_sized_for_the_engine_concurrency(model: str) -> None:
+    run = _run(model, rollout={"engines": 2, "gpus_per_engine": 2, "max_batch_size": 10})
+    p = plan(run, FakeManager())
+    concurrency = min(math.ceil(8 * 4 / 2), 10)
+    assert p.rollout["kv_cache"] == pytest.approx(concurrency * (128 * 40 + 500) * 2 / 2)
+    assert p.rollout["weights"] == pytest.approx(2 * 16000 / 2)
+
+
+def test_fits_against_gpu_memory_and_says_what_dominates(model: str) -> None:
+    p = plan(_run(model), FakeManager(), gpu_mem_gb=1.0)
+    assert p.fits is True
+    tight = plan(_run(model), FakeManager(), gpu_mem_gb=100e3 / GB)
+    assert tight.fits is False
+    text = format_plan(tight)
+    assert "DOES NOT FIT" in text and "rollout GPUs: most of it is the KV cache" in text
+    assert plan(_run(model), FakeManager()).fits is None  # no memory given: nothing to check
+
+
+def test_rescale_keeps_model_parallel_shapes_and_the_split(model: str) -> None:
+    run = _run(
+        model,
+        train={"backend": "megatron", "world_size": 64, "parallel": {"tensor": 4, "pipeline": 2}},
+        rollout={"engines": 8, "gpus_per_engine": 8},
+    )
+    layout = rescale(layout_of(run), 32)
+    assert (layout.train_gpus, layout.engines, layout.tensor, layout.pipeline) == (16, 2, 4, 2)
+    with pytest.raises(PlanError, match="at least 16"):
+        rescale(layout_of(run), 12)
+
+
+def test_layout_errors_name_the_model_dimension(model: str) -> None:
+    run = _run(
+        model,
+        train={"backend": "megatron", "world_size": 6, "parallel": {"tensor": 3}},
+        rollout={"gpus_per_engine": 3},
+    )
+    with pytest.raises(PlanError) as err:
+        plan(run, FakeManager())
+    assert "does not divide the model's num_attention_heads (8)" in str(err.value)
+
+
+def test_an_unknown_model_cannot_be_sized(tmp_path: Path) -> None:
+    with pytest.raises(UnsizedModel, match="no installed family knows"):
+        plan(_run("org/unknown-model"), FakeManager())
+
+
+@pytest.mark.parametrize(
+    ("text", "gb"), [("141GB", 141.0), ("80 GiB", 80 * 2**30 / 1e9), ("96g", 96.0), ("40", 40.0)]
+)
+def test_parse_memory(text: str, gb: float) -> None:
+    assert parse_memory(text) == pytest.approx(gb)
+    with pytest.raises(PlanError):
+        parse_memory("lots")
