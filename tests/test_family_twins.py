@@ -28,14 +28,15 @@ def _families() -> list[str]:
     ]
 
 
-FAMILIES = _families()
+# Qwen3 and Qwen3-MoE run the same way in test_quickstart.py and test_moe_replay.py.
+FAMILIES = [f for f in _families() if f not in ("qwen3", "qwen3_moe")]
 MOE = {n for n in FAMILIES if get_plugin_manager().get(Kind.FAMILY, n).spec.factory().router}
 
 
 def test_every_named_model_has_a_family_with_a_twin() -> None:
     for name in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "deepseek_v4", "kimi_k25"):
-        assert name in FAMILIES
-    assert "glm_moe_dsa" in FAMILIES
+        assert name in _families()
+    assert "glm_moe_dsa" in _families()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

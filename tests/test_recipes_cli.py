@@ -51,14 +51,22 @@ def test_show_prints_the_resolved_config() -> None:
 
 
 def test_plan_every_frontier_recipe_fits_its_cluster_and_not_a_smaller_gpu() -> None:
+    from miles.core.components import Kind
+    from miles.core.planner import plan
+    from miles.core.plugins import get_plugin_manager
+
+    manager = get_plugin_manager()
     for name in FRONTIER:
-        proc = run_miles("recipes", "plan", name, "--json")
-        assert proc.returncode == 0, (name, proc.stdout, proc.stderr)
-        plan = json.loads(proc.stdout)
-        assert plan["fits"] is True, (name, plan)
-        assert plan["params"]["total"] > 1e11
-        small = run_miles("recipes", "plan", name, "--gpu-mem", "24GB")
-        assert small.returncode == 1 and "DOES NOT FIT" in small.stdout, name
+        config = parse(dict(manager.get(Kind.RECIPE, name).spec.factory().config))
+        result = plan(config, manager)
+        assert result.fits is True, (name, result.to_json())
+        assert result.shape.params.total > 1e11
+        assert plan(config, manager, gpu_mem_gb=24).fits is False, name
+    # The same through the CLI, once: JSON, and exit code 1 when it does not fit.
+    proc = run_miles("recipes", "plan", "kimi-k2.6-grpo", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["fits"] is True, proc.stderr
+    small = run_miles("recipes", "plan", "kimi-k2.6-grpo", "--gpu-mem", "24GB")
+    assert small.returncode == 1 and "DOES NOT FIT" in small.stdout
 
 
 def test_plan_relays_out_on_fewer_gpus() -> None:

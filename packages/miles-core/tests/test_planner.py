@@ -97,14 +97,14 @@ def test_fsdp_shards_master_weights_grads_and_adam_over_every_rank(model: str) -
     assert p.train["weights"] == pytest.approx(4 * total / 4 + 2 * biggest_layer)
     assert p.train["gradients"] == pytest.approx(4 * total / 4)
     assert p.train["optimizer"] == pytest.approx(8 * total / 4)
-    # 50 tokens x 400 saved elements x 2 bytes, plus fp32 logits and their log-softmax.
-    assert p.train["activations"] == pytest.approx(50 * 400 * 2 + 50 * 100 * 8)
+    # 50 tokens x 400 saved elements x 2 bytes, plus bf16 logits and 16 bytes of fp32 each.
+    assert p.train["activations"] == pytest.approx(50 * 400 * 2 + 50 * 100 * 18)
 
 
 def test_activation_checkpointing_keeps_only_layer_inputs(model: str) -> None:
     p = plan(_run(model, train={"activation_checkpointing": True}), FakeManager())
     per_layer = 400 / 4
-    assert p.train["activations"] == pytest.approx(50 * (10 * 4 + per_layer) * 2 + 50 * 100 * 8)
+    assert p.train["activations"] == pytest.approx(50 * (10 * 4 + per_layer) * 2 + 50 * 100 * 18)
 
 
 def test_megatron_splits_by_tp_pp_ep_and_the_optimizer_by_dp(model: str) -> None:
@@ -121,7 +121,7 @@ def test_megatron_splits_by_tp_pp_ep_and_the_optimizer_by_dp(model: str) -> None
     assert p.train["weights"] == pytest.approx(2 * share)
     assert p.train["gradients"] == pytest.approx(4 * share)
     assert p.train["optimizer"] == pytest.approx(12 * share / 4)  # DP = 16 / (2 x 2)
-    assert p.train["activations"] == pytest.approx((50 * 400 * 2 + 50 * 100 * 8) / 2)
+    assert p.train["activations"] == pytest.approx((50 * 400 * 2 + 50 * 100 * 18) / 2)
 
 
 def test_rollout_kv_cache_is_sized_for_the_engine_concurrency(model: str) -> None:
@@ -130,6 +130,8 @@ def test_rollout_kv_cache_is_sized_for_the_engine_concurrency(model: str) -> Non
     concurrency = min(math.ceil(8 * 4 / 2), 10)
     assert p.rollout["kv_cache"] == pytest.approx(concurrency * (128 * 40 + 500) * 2 / 2)
     assert p.rollout["weights"] == pytest.approx(2 * 16000 / 2)
+    # One layer's working set over the prompts it prefills (10 x 28 tokens).
+    assert p.rollout["activations"] == pytest.approx(10 * 28 * (400 / 4) * 2 / 2)
 
 
 def test_fits_against_gpu_memory_and_says_what_dominates(model: str) -> None:

@@ -351,8 +351,8 @@ def _model_parallel_share(shape: ModelShape, layout: Layout) -> float:
 
 def _activations(run: RunConfig, shape: ModelShape, layout: Layout, act_bytes: float) -> float:
     """One micro-batch of `micro_batch_tokens`: every layer's saved activations (or only each
-    layer's input with activation checkpointing, plus one layer recomputed), and the fp32
-    logits with their log-softmax. Tensor (with sequence) and context parallelism split them."""
+    layer's input with activation checkpointing, plus one layer recomputed), and the logits
+    with their fp32 log-softmax. Tensor (with sequence) and context parallelism split them."""
     options = run.train.options
     tokens = float(options.get("micro_batch_tokens", 8192))
     split = layout.tensor * layout.context
@@ -361,25 +361,34 @@ def _activations(run: RunConfig, shape: ModelShape, layout: Layout, act_bytes: f
         saved = tokens * (shape.hidden_size * shape.num_layers + per_layer) * act_bytes
     else:
         saved = tokens * shape.act_elems_per_token * act_bytes
-    logits = tokens * shape.vocab_size * 4 * 2
+    # The lm_head's output in the compute dtype, then in fp32 (see miles.torch's token_logprobs):
+    # the log-softmax, its exp (for the entropy) and the gradients of both, 16 bytes a logit.
+    logits = tokens * shape.vocab_size * (act_bytes + 16)
     return (saved + logits) / split
 
 
 def _rollout_memory(
     run: RunConfig, shape: ModelShape, layout: Layout, kv_bytes: float, weight_bytes: float
 ) -> dict[str, float]:
-    """Weights split over an engine's GPUs, and the KV cache of the sequences it runs at once:
-    a step's requests spread over the engines, capped by the engine's max_batch_size."""
+    """Weights split over an engine's GPUs; the KV cache of the sequences it runs at once (a
+    step's requests spread over the engines, capped by the engine's max_batch_size); and one
+    layer's working set while it prefills their prompts."""
+    concurrency = rollout_concurrency(run, layout)
     seq_tokens = run.planner.prompt_tokens + run.rollout.max_new_tokens
-    kv = (
-        rollout_concurrency(run, layout)
-        * (seq_tokens * shape.kv_elems_per_token + shape.state_elems_per_seq)
-        * kv_bytes
-    )
+    kv = concurrency * (seq_tokens * shape.kv_elems_per_token + shape.state_elems_per_seq)
+    per_layer = shape.act_elems_per_token / max(shape.num_layers, 1)
     return {
         "weights": weight_bytes * shape.params.language_model / layout.gpus_per_engine,
-        "kv_cache": kv / layout.gpus_per_engine,
+        "kv_cache": kv * kv_bytes / layout.gpus_per_engine,
+        "activations": prefill_tokens(run, layout) * per_layer * kv_bytes / layout.gpus_per_engine,
     }
+
+
+def prefill_tokens(run: RunConfig, layout: Layout) -> int:
+    """Prompt tokens one prefill forward holds: the native engine prefills every admitted prompt
+    at once; other engines chunk their prefill (SGLang's default chunk: 16384 tokens)."""
+    tokens = rollout_concurrency(run, layout) * run.planner.prompt_tokens
+    return tokens if run.rollout.backend == "torch" else min(tokens, 16384)
 
 
 def rollout_concurrency(run: RunConfig, layout: Layout) -> int:
@@ -410,11 +419,16 @@ def format_plan(p: Plan) -> str:
     tokens = run.train.options.get("micro_batch_tokens", "?")
     conc = rollout_concurrency(run, p.layout)
     seq = run.planner.prompt_tokens + run.rollout.max_new_tokens
+    prefill = prefill_tokens(run, p.layout)
     rows = [
         ("weights", p.train["weights"], p.rollout["weights"]),
         ("gradients", p.train["gradients"], None),
         ("optimizer state", p.train["optimizer"], None),
-        (f"activations ({tokens} tokens/micro-batch)", p.train["activations"], None),
+        (
+            f"activations (train {tokens} tokens/micro-batch; prefill {prefill} tokens)",
+            p.train["activations"],
+            p.rollout["activations"],
+        ),
         (f"KV cache ({conc} seqs x {seq} tokens)", None, p.rollout["kv_cache"]),
         ("total", p.train_total, p.rollout_total),
     ]
@@ -455,6 +469,8 @@ def advice(p: Plan) -> str:
         "weights": "raise rollout.gpus_per_engine (engine tensor parallelism)",
         "kv_cache": "lower the rollout concurrency (rollout.max_batch_size) or raise "
         "rollout.gpus_per_engine",
+        "activations": "lower the rollout concurrency (rollout.max_batch_size) or "
+        "planner.prompt_tokens",
     }
     return f"rollout GPUs: most of it is {_LABELS[biggest]}; {tips[biggest]}"
 

@@ -16,6 +16,7 @@ Two layouts, chosen per model by `batching_mode`:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -92,28 +93,28 @@ class Batch:
         return sum(row.done for row in self.rows)
 
     def compact(self) -> None:
-        """Drop the finished rows, then (padded) the cache columns no remaining row uses."""
+        """Drop the finished rows, then (padded) the cache columns no remaining row uses.
+
+        Unpadded batches drop rows only once all are done: their caches keep state (compression
+        buffers) that not every transformers version's `reorder_cache` selects, so finished rows
+        ride along, their tokens ignored, until the batch ends.
+        """
         indices = [i for i, row in enumerate(self.rows) if not row.done]
+        if not self.padded and indices:
+            return
         idx = torch.tensor(indices, dtype=torch.int64, device=self.mask.device)
         self.rows = [self.rows[i] for i in indices]
         self.mask, self.positions = self.mask[idx], self.positions[idx]
         self.last_tokens, self.params = self.last_tokens[idx], self.params.select(idx)
-        if not self.padded:
-            if indices:  # transformers' beam-search reorder selects every state a layer keeps
-                self.cache.reorder_cache(idx)
+        if not indices:
             return
-        start = int(self.mask.any(dim=0).int().argmax()) if indices else 0
+        # Rows of every state each layer keeps, by transformers' own (beam-search) reorder.
+        self.cache.reorder_cache(idx)
+        start = int(self.mask.any(dim=0).int().argmax())
         self.mask = self.mask[:, start:]
-        for layer in self.cache.layers:
-            if isinstance(layer, DynamicLayer) and layer.keys is not None:
-                layer.keys, layer.values = layer.keys[idx, :, start:], layer.values[idx, :, start:]
-            if isinstance(layer, DynamicIndexedLayer):
-                _compact_indexer(layer, idx, start)
-            if isinstance(layer, LinearAttentionLayer):
-                for states in (layer.conv_states, layer.recurrent_states):
-                    for key, state in states.items():
-                        if state is not None:
-                            states[key] = state[idx]
+        if start:
+            for layer in self.cache.layers:
+                _drop_columns(layer, start)
 
     def merge(self, other: Batch) -> None:
         """Append `other`'s rows, left-padding the shorter of the two caches to a common length."""
@@ -131,13 +132,8 @@ class Batch:
             if isinstance(mine, DynamicIndexedLayer):
                 _merge_indexer(mine, theirs, length)
             if isinstance(mine, LinearAttentionLayer):
-                for states, other_states in (
-                    (mine.conv_states, theirs.conv_states),
-                    (mine.recurrent_states, theirs.recurrent_states),
-                ):
-                    for key, state in states.items():
-                        if state is not None:
-                            states[key] = torch.cat([state, other_states[key]])
+                _cat_states(mine.conv_states, theirs.conv_states)
+                _cat_states(mine.recurrent_states, theirs.recurrent_states)
         self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(other.mask, length)])
         self.rows += other.rows
         self.positions = torch.cat([self.positions, other.positions])
@@ -145,12 +141,27 @@ class Batch:
         self.params = SamplingTensors.cat([self.params, other.params])
 
 
-def _compact_indexer(layer: DynamicIndexedLayer, idx: torch.Tensor, start: int) -> None:
-    """DSA indexer keys are [B, T, D] (positions, if kept, [P, B, T]): same rows and columns."""
-    if layer.is_indexer_initialized and layer.indexer_keys.numel():
-        layer.indexer_keys = layer.indexer_keys[idx, start:]
-    if layer.indexer_position_ids is not None:
-        layer.indexer_position_ids = layer.indexer_position_ids[:, idx, start:]
+def _drop_columns(layer: object, start: int) -> None:
+    """Drop the first `start` sequence slots of a layer: K/V are [B, H, T, D], DSA indexer keys
+    [B, T, D] (and their positions, where a version keeps them, [P, B, T])."""
+    keys = getattr(layer, "keys", None)
+    if isinstance(keys, torch.Tensor) and keys.dim() == 4:
+        layer.keys, layer.values = keys[:, :, start:], layer.values[:, :, start:]  # type: ignore[attr-defined]
+    indexer_keys = getattr(layer, "indexer_keys", None)
+    if isinstance(indexer_keys, torch.Tensor) and indexer_keys.numel():
+        layer.indexer_keys = indexer_keys[:, start:]  # type: ignore[attr-defined]
+    positions = getattr(layer, "indexer_position_ids", None)
+    if isinstance(positions, torch.Tensor):
+        layer.indexer_position_ids = positions[:, :, start:]  # type: ignore[attr-defined]
+
+
+def _cat_states(mine: Any, theirs: Any) -> None:
+    """Concatenate per-row linear-attention states by row (a dict or, in older transformers, a
+    list per layer; no sequence dimension)."""
+    keys = list(mine) if isinstance(mine, dict) else range(len(mine))
+    for key in keys:
+        if mine[key] is not None and theirs[key] is not None:
+            mine[key] = torch.cat([mine[key], theirs[key]])
 
 
 def _merge_indexer(mine: DynamicIndexedLayer, theirs: DynamicIndexedLayer, length: int) -> None:
@@ -158,10 +169,11 @@ def _merge_indexer(mine: DynamicIndexedLayer, theirs: DynamicIndexedLayer, lengt
         mine.indexer_keys = torch.cat(
             [_left_pad(mine.indexer_keys, length, 1), _left_pad(theirs.indexer_keys, length, 1)]
         )
-    if mine.indexer_position_ids is not None:
+    positions = getattr(mine, "indexer_position_ids", None)
+    if positions is not None:
         mine.indexer_position_ids = torch.cat(
             [
-                _left_pad(mine.indexer_position_ids, length, 2),
+                _left_pad(positions, length, 2),
                 _left_pad(theirs.indexer_position_ids, length, 2),
             ],
             dim=1,
