@@ -307,12 +307,20 @@ def recipes_plan(
     from miles.core.config import ConfigError, apply_overrides, load_yaml, parse
     from miles.core.planner import PlanError, format_plan, parse_memory, plan
 
+    recipe = None
     try:
         if target.endswith((".yaml", ".yml")) or Path(target).is_file():
             data = load_yaml(target)
         else:
-            data = dict(_load_recipe(target).config)
+            recipe = _load_recipe(target)
+            data = dict(recipe.config)
         config = parse(apply_overrides(data, list(overrides)))
+        if not config.model.path and "model.path" in getattr(recipe, "prepares", ()):
+            raise PlanError(
+                f"recipe {target!r} makes its model when it runs (a tiny twin on CPU), so there "
+                "is nothing to plan before; plan a run of it: miles recipes plan "
+                "RUN_DIR/config.yaml"
+            )
         mem = parse_memory(gpu_mem) if gpu_mem else None
         if gpus is not None and gpus < 1:
             raise PlanError("--gpus must be at least 1")
