@@ -6,6 +6,14 @@ cd "$(dirname "$0")/.."
 bash tools/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 
+# The report test renders a run's HTML report in headless Chromium, from the system packages.
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "== installing chromium (apt)"
+  apt=(apt-get -y -q -o Dpkg::Use-Pty=0)
+  [ "$(id -u)" = 0 ] || apt=(sudo "${apt[@]}")
+  "${apt[@]}" install chromium >/dev/null || { "${apt[@]}" update >/dev/null && "${apt[@]}" install chromium >/dev/null; }
+fi
+
 echo "== ruff check" && ruff check .
 echo "== ruff format --check" && ruff format --check .
 echo "== mypy (miles-core)" && mypy packages/miles-core/src

@@ -26,6 +26,10 @@ log = structlog.get_logger()
 log.info("outside")
 with span("miles.step", step=1, run_id="r1"):
     log.warning("inside", detail=7)
+    import logging, warnings
+    logging.getLogger("some.library").error("library error %d", 5)
+    warnings.warn("something is deprecated", DeprecationWarning, stacklevel=1)
+    logging.getLogger("some.library").info("library info: not recorded")
     remote = carrier()
 with attached(remote), span("miles.train_step", step=1):
     pass
@@ -59,7 +63,16 @@ def test_logs_and_spans_link(tmp_path: Path) -> None:
     assert train["trace_id"] == step["trace_id"] and train["parent_span_id"] == step["span_id"]
     assert step["attributes"] == {"step": 1, "run_id": "r1"}
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events] == ["outside", "inside"]
+    assert [e["event"] for e in events][:2] == ["outside", "inside"]
+    # Warnings and errors from the standard logging module and from `warnings` are events too,
+    # with the span they happened in; library INFO lines are not.
+    library = next(e for e in events if e["event"] == "library error 5")
+    assert library["level"] == "error" and library["logger"] == "some.library"
+    warned = next(e for e in events if "something is deprecated" in e["event"])
+    assert warned["level"] == "warning"
+    for event in (library, warned):
+        assert (event["trace_id"], event["span_id"]) == (step["trace_id"], step["span_id"])
+    assert not any("not recorded" in e["event"] for e in events)
 
 
 class _Collector(BaseHTTPRequestHandler):

@@ -5,6 +5,8 @@ Library code only calls `structlog.get_logger()`; this module decides where line
 * Human-readable on a TTY, JSON lines otherwise (or as forced by ``--log-format``).
 * Lines logged inside a span carry its ``trace_id`` and ``span_id``.
 * With a run directory, every line is also appended as JSON to ``events.jsonl``.
+* Warnings and errors logged through the standard `logging` module (transformers, Ray, torch...)
+  and Python `warnings` go the same way, so they too carry the span they happened in.
 """
 
 from __future__ import annotations
@@ -50,6 +52,25 @@ def _without_traceback(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str,
     return event_dict
 
 
+class _ToStructlog(logging.Handler):
+    """Forwards standard-library log records (WARNING and up) to structlog."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            log = structlog.get_logger(record.name)
+            method = log.error if record.levelno >= logging.ERROR else log.warning
+            method(record.getMessage(), logger=record.name)
+        except Exception:  # logging must never break the caller
+            self.handleError(record)
+
+
+def _route_stdlib_logging() -> None:
+    root = logging.getLogger()
+    if not any(isinstance(h, _ToStructlog) for h in root.handlers):
+        root.addHandler(_ToStructlog(logging.WARNING))
+    logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger -> structlog
+
+
 def configure_logging(
     fmt: LogFormat = "auto", level: str = "info", events_path: Path | None = None
 ) -> None:
@@ -74,6 +95,7 @@ def configure_logging(
         processors.append(structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
     else:
         processors.append(structlog.processors.JSONRenderer())
+    _route_stdlib_logging()
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

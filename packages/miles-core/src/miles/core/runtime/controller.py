@@ -461,7 +461,10 @@ class Controller:
         import ray
 
         with contextlib.suppress(Exception):  # best effort at shutdown
-            ray.get([t.flush.remote() for t in self.trainers], timeout=30)
+            ray.get(
+                [t.flush.remote() for t in self.trainers] + [self.manager.flush.remote()],
+                timeout=30,
+            )
 
 
 def _drop_rows_after(path: Path, step: int) -> None:

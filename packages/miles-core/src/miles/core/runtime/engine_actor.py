@@ -16,7 +16,7 @@ import torch
 from miles.core.components import Kind
 from miles.core.factory import build_component
 from miles.core.runtime.placement import quantizes
-from miles.core.runtime.process import init_actor_process
+from miles.core.runtime.process import flush_traces, init_actor_process
 from miles.core.telemetry import attached, span
 from miles.core.types import GenerateRequest, GenerateResult
 from miles.core.weight_sync import SyncGroup, SyncPlan
@@ -167,6 +167,10 @@ class EngineActor:
         if self.decoder is not None:
             health["weights_format"] = self.decoder.report
         return health
+
+    def flush(self) -> None:
+        """Sends this process's buffered spans (OTLP batches) on, e.g. before the run ends."""
+        flush_traces()
 
     def get_rng_state(self) -> str:
         return str(self.engine.get_rng_state())

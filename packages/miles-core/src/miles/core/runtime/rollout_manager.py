@@ -30,7 +30,7 @@ from miles.core.protocols import PromptGroup
 from miles.core.runtime.buffer import BufferPolicy, StepBatch
 from miles.core.runtime.dispatch import EngineDispatcher
 from miles.core.runtime.engine_pool import EngineLauncher, EnginePool
-from miles.core.runtime.process import init_actor_process
+from miles.core.runtime.process import flush_traces, init_actor_process
 from miles.core.runtime.scoring import RewardScorer
 from miles.core.telemetry import attached, span
 from miles.core.types import PackedBatch, Sample, SampleStatus, SamplingParams
@@ -532,6 +532,11 @@ class RolloutManager:
 
     def _on_pool_change(self) -> None:
         self.dispatcher.kick()
+
+    async def flush(self) -> None:
+        """Sends the buffered spans of this process and of every live engine on."""
+        flush_traces()
+        await asyncio.gather(*(_quietly(s.handle.flush.remote()) for s in self.pool.alive()))
 
     async def checksums(self) -> list[str]:
         return list(await asyncio.gather(*(h.checksum.remote() for h in self._all_handles())))
