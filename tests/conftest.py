@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import yaml
@@ -352,3 +355,57 @@ def venv_env() -> dict[str, str]:
 def core_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """miles-core, built once per session."""
     return build_wheel(ROOT / "packages/miles-core", tmp_path_factory.mktemp("core-wheel"))
+
+
+# ── a traced run, shared by the tracing and report tests ────────────────────────────────────────
+
+TRACED_RANKS = ("miles.train0", "miles.train1")
+TRACED_ENGINES = ("miles.engine0", "miles.engine1")
+TRACED_STEPS = 2
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    bodies: ClassVar[list[tuple[str, str, bytes]]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        self.bodies.append((self.path, self.headers.get("Content-Type", ""), body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def traced_run(
+    tmp_path_factory: pytest.TempPathFactory, tiny_assets: dict[str, str]
+) -> tuple[Path, list[tuple[str, str, bytes]]]:
+    """A two-step run with two train ranks and two engines, its spans also sent over OTLP/HTTP to
+    a loopback receiver: (run dir, the requests received). Shared by the tracing and report
+    tests."""
+    root = tmp_path_factory.mktemp("traced")
+    cfg = write_config(
+        root / "cfg.yaml",
+        tiny_assets,
+        steps=TRACED_STEPS,
+        rollout={"engines": len(TRACED_ENGINES)},
+        train={"world_size": len(TRACED_RANKS)},
+        checkpoint={"every": 1},
+    )
+    _Receiver.bodies = []
+    server = HTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_port}"
+        proc = run_miles(
+            "run", str(cfg), "--run-dir", str(root / "run"),
+            env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint},
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root / "run", list(_Receiver.bodies)

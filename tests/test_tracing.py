@@ -4,62 +4,14 @@ that decodes the protobuf payload (the standard exporter, set up only by OTEL_* 
 
 from __future__ import annotations
 
-import gzip
-import threading
 from collections import defaultdict
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-import pytest
-
-from .conftest import read_jsonl, run_miles, write_config
-
-RANKS, ENGINES, STEPS = ("miles.train0", "miles.train1"), ("miles.engine0", "miles.engine1"), 2
-
-
-class _Receiver(BaseHTTPRequestHandler):
-    bodies: ClassVar[list[tuple[str, str, bytes]]] = []
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        if self.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
-        self.bodies.append((self.path, self.headers.get("Content-Type", ""), body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def traced_run(
-    tmp_path_factory: pytest.TempPathFactory, tiny_assets: dict[str, str]
-) -> tuple[Path, list[tuple[str, str, bytes]]]:
-    root = tmp_path_factory.mktemp("traced")
-    cfg = write_config(
-        root / "cfg.yaml",
-        tiny_assets,
-        steps=STEPS,
-        rollout={"engines": len(ENGINES)},
-        train={"world_size": len(RANKS)},
-        checkpoint={"every": 1},
-    )
-    _Receiver.bodies = []
-    server = HTTPServer(("127.0.0.1", 0), _Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        endpoint = f"http://127.0.0.1:{server.server_port}"
-        proc = run_miles(
-            "run", str(cfg), "--run-dir", str(root / "run"),
-            env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint},
-        )  # fmt: skip
-    finally:
-        server.shutdown()
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return root / "run", list(_Receiver.bodies)
+from .conftest import TRACED_ENGINES as ENGINES
+from .conftest import TRACED_RANKS as RANKS
+from .conftest import TRACED_STEPS as STEPS
+from .conftest import read_jsonl
 
 
 def _tree(spans: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:

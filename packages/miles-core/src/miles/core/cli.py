@@ -395,6 +395,31 @@ def run(
     sys.exit(run_from_cli(request))
 
 
+# ── report ───────────────────────────────────────────────────────────────────────────────────────
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the report (default: RUN_DIR/report).",
+)
+def report(run_dir: Path, out: Path | None) -> None:
+    """Write an HTML report of a run (finished or still running): curves, a timeline of the
+    actors, idle time and the slowest steps. Needs matplotlib: pip install 'miles-core[report]'."""
+    from miles.core.report import MissingDependencyError, NotARunError, build_report
+
+    try:
+        written = build_report(run_dir, out)
+    except (NotARunError, MissingDependencyError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(str(written.page))
+    for path in written.figures:
+        click.echo(str(path))
+
+
 def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:

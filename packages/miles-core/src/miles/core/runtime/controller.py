@@ -87,9 +87,17 @@ class Controller:
             # Steps after the checkpoint run again: their old records go (before sinks open).
             for name in ("metrics.jsonl", "samples.jsonl"):
                 _drop_rows_after(run_dir / name, self.resume_from[0])
-        self.sinks = [
-            build_component(Kind.METRIC_SINK, s, str(run_dir)) for s in config.telemetry.sinks
-        ]
+        self.sinks: list[tuple[str, Any]] = []  # (where the config names it, the sink)
+        for i, ref in enumerate(config.telemetry.sinks):
+            label = f"telemetry.sinks[{i}] ({ref.name})"
+            try:
+                self.sinks.append((label, build_component(Kind.METRIC_SINK, ref, str(run_dir))))
+            except Exception as exc:  # e.g. a tracking server that is down: run without it
+                log.error(
+                    "metric sink failed to start; running without it",
+                    sink=label,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
         self.version = 0  # of the weights on the engines
         self.synced_through = -1  # the engines hold the weights made by this step
         self.train_restarts = 0
@@ -379,8 +387,11 @@ class Controller:
             self.plugins.call_lifecycle(
                 "miles_on_run_end", run=self.info, status=status, error=error
             )
-            for sink in self.sinks:
-                sink.close()
+            for name, sink in self.sinks:
+                try:
+                    sink.close()
+                except Exception as exc:  # metrics already logged stay logged
+                    log.error("metric sink failed to close", sink=name, error=repr(exc))
             if ray.is_initialized():
                 self._flush_actor_traces()
 
@@ -446,16 +457,19 @@ class Controller:
         return bool(getattr(self.plugins.pm.hook, hook).get_hookimpls())
 
     def _log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        for sink in list(self.sinks):
+        for entry in list(self.sinks):
+            name, sink = entry
             try:
                 sink.log(step, metrics)
             except Exception as exc:  # a broken sink is switched off; the run goes on
                 log.error(
                     "metric sink failed; switching it off",
-                    sink=type(sink).__name__,
-                    error=repr(exc),
+                    sink=name,
+                    error=f"{type(exc).__name__}: {exc}",
                 )
-                self.sinks.remove(sink)
+                self.sinks.remove(entry)
+                with contextlib.suppress(Exception):
+                    sink.close()
 
     def _flush_actor_traces(self) -> None:
         import ray
