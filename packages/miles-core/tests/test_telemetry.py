@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import ClassVar
+
+import pytest
 
 SCRIPT = """
 import structlog, sys
@@ -107,3 +111,46 @@ def test_spans_go_to_standard_otlp_exporter(tmp_path: Path) -> None:
     request = ExportTraceServiceRequest.FromString(body)
     names = {s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
     assert names == {"miles.step", "miles.train_step"}
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_human_logs_on_a_terminal_json_lines_otherwise(
+    tty: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import structlog
+
+    from miles.core.logsetup import configure_logging
+
+    stream = _Terminal() if tty else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    try:
+        configure_logging("auto", "info")
+        structlog.get_logger().info("engine ready", engine=3)
+    finally:
+        monkeypatch.undo()
+        configure_logging("json", "info")
+    line = re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue().strip().splitlines()[-1])  # colours
+    if tty:
+        assert "engine ready" in line and "engine=3" in line and not line.startswith("{")
+    else:
+        assert json.loads(line)["event"] == "engine ready"
+
+
+def test_progress_bar_shows_reward_step_time_and_eta(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles.core.runtime.controller import _Progress
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    progress = _Progress(4, 0, enabled=True)
+    for step in range(2):
+        progress.update({"rollout/reward_mean": 0.25 * (step + 1), "perf/step_s": 1.5})
+    progress.close()
+    monkeypatch.undo()
+    last = stream.getvalue().replace("\r", "\n").strip().splitlines()[-1]
+    assert "2/4" in last and "reward=0.500" in last and "step_s=1.50" in last
+    assert re.search(r"\d\d:\d\d<\d\d:\d\d", last), last  # elapsed<remaining: the ETA
