@@ -384,10 +384,21 @@ class _Receiver(BaseHTTPRequestHandler):
 def traced_run(
     tmp_path_factory: pytest.TempPathFactory, tiny_assets: dict[str, str]
 ) -> tuple[Path, list[tuple[str, str, bytes]]]:
-    """A two-step run with two train ranks and two engines, its spans also sent over OTLP/HTTP to
-    a loopback receiver: (run dir, the requests received). Shared by the tracing and report
-    tests."""
+    """The observed run: 2 steps, 2 train ranks, 2 engines, a checkpoint every step; its spans
+    also go over OTLP/HTTP to a loopback receiver, and its metrics to every metric sink (W&B
+    offline), plus a second MLflow sink whose store is unusable, so it fails at its first log
+    (a real MLflow error) and is switched off. Returns (run dir, the OTLP requests received).
+    Shared by the tracing, report and sink tests: one run, observed every way."""
     root = tmp_path_factory.mktemp("traced")
+    blocker = root / "blocker"
+    blocker.write_text("a regular file where the MLflow store's folder should be")
+    sinks = [
+        "jsonl",
+        "tensorboard",
+        {"name": "wandb", "mode": "offline", "tags": ["e2e"]},
+        "mlflow",
+        {"name": "mlflow", "tracking_uri": f"sqlite:///{blocker}/mlflow.db"},
+    ]
     cfg = write_config(
         root / "cfg.yaml",
         tiny_assets,
@@ -395,16 +406,18 @@ def traced_run(
         rollout={"engines": len(TRACED_ENGINES)},
         train={"world_size": len(TRACED_RANKS)},
         checkpoint={"every": 1},
+        telemetry={"progress": False, "sinks": sinks},
     )
     _Receiver.bodies = []
     server = HTTPServer(("127.0.0.1", 0), _Receiver)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        endpoint = f"http://127.0.0.1:{server.server_port}"
-        proc = run_miles(
-            "run", str(cfg), "--run-dir", str(root / "run"),
-            env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint},
-        )  # fmt: skip
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+            "WANDB_MODE": "offline",
+            "WANDB_SILENT": "true",
+        }
+        proc = run_miles("run", str(cfg), "--run-dir", str(root / "run"), env=env)
     finally:
         server.shutdown()
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -9,7 +9,10 @@ and that MoE replay routes each token through the experts the engine used.
 
 from __future__ import annotations
 
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,14 +42,13 @@ def test_every_named_model_has_a_family_with_a_twin() -> None:
     assert "glm_moe_dsa" in _families()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_twin_runs_rl_end_to_end(tmp_path: Path, family: str) -> None:
+def _run(family: str, run_dir: Path) -> subprocess.CompletedProcess[str]:
     replay = "ids" if family in MOE else "off"
-    proc = run_miles(
+    return run_miles(
         "run",
         "quickstart",
         "--run-dir",
-        str(tmp_path / "run"),
+        str(run_dir),
         "--set",
         f"model.family={family}",
         "--set",
@@ -56,8 +58,23 @@ def test_twin_runs_rl_end_to_end(tmp_path: Path, family: str) -> None:
         *("--set", "reward={name: 'miles_test_rewards:char_count'}"),
         *("--set", "telemetry.progress=false", "--set", "checkpoint.at_end=false"),
     )
+
+
+@pytest.fixture(scope="module")
+def twin_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """Every family's run, two at a time: a run mostly waits on process start-up, so two share
+    the 2-core CI machine well (each has its own local Ray)."""
+    root = tmp_path_factory.mktemp("twins")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = {f: pool.submit(_run, f, root / f) for f in FAMILIES}
+        return {f: (root / f, p.result()) for f, p in procs.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_twin_runs_rl_end_to_end(family: str, twin_runs: dict[str, tuple[Path, Any]]) -> None:
+    run_dir, proc = twin_runs[family]
     assert proc.returncode == 0, proc.stderr[-4000:]
-    steps = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    steps = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in steps] == [0, 1]
     for m in steps:
         assert m["rollout/samples"] == 16

@@ -1,5 +1,5 @@
-"""miles-sinks in real runs: TensorBoard, W&B (offline) and MLflow next to metrics.jsonl, a sink that
-breaks mid-run, and a missing sink package caught before launch."""
+"""miles-sinks in a real run: TensorBoard, W&B (offline) and MLflow next to metrics.jsonl, a sink
+that breaks mid-run, and a missing sink package caught before launch."""
 
 from __future__ import annotations
 
@@ -14,33 +14,15 @@ import pytest
 
 from miles.core.runner import RunRequest, run_from_cli
 
-from .conftest import read_jsonl, run_miles, write_config
+from .conftest import read_jsonl, write_config
 
 KEY = "rollout/reward_mean"
 
 
 @pytest.fixture(scope="module")
-def sinks_run(tmp_path_factory: pytest.TempPathFactory, tiny_assets: dict[str, str]) -> Path:
-    """One 2-step run with every sink, plus a second MLflow sink whose store is unusable: it fails
-    at its first log() (a real error from MLflow, no mocks) and the controller switches it off."""
-    root = tmp_path_factory.mktemp("sinks")
-    blocker = root / "blocker"
-    blocker.write_text("a regular file where the MLflow store's folder should be")
-    sinks = [
-        "jsonl",
-        "tensorboard",
-        {"name": "wandb", "mode": "offline", "tags": ["e2e"]},
-        "mlflow",
-        {"name": "mlflow", "tracking_uri": f"sqlite:///{blocker}/mlflow.db"},
-    ]
-    cfg = write_config(
-        root / "cfg.yaml", tiny_assets, telemetry={"progress": False, "sinks": sinks}
-    )
-    run_dir = root / "run"
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    proc = run_miles("run", str(cfg), "--run-dir", str(run_dir), "--set", "steps=2", env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return run_dir
+def sinks_run(traced_run: tuple[Path, Any]) -> Path:
+    """tests/conftest.py's observed run: 2 steps with every sink, the last MLflow one broken."""
+    return traced_run[0]
 
 
 def jsonl_values(run_dir: Path) -> list[tuple[int, float]]:
