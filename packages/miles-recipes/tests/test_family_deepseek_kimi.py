@@ -25,6 +25,7 @@ from miles.recipes.architectures import config_for
 from miles.recipes.families import deepseek_v3 as ds
 from miles.recipes.families import kimi_k25 as kk
 from miles.recipes.twins import build_twin_model, twin_config_dict, write_twin
+from miles.torch.models import load_causal_lm
 
 FAMILIES = {"deepseek_v3": ds.deepseek_v3(), "kimi_k25": kk.kimi_k25()}
 CHECKPOINTS = [(name, ckpt) for name, fam in FAMILIES.items() for ckpt in fam.checkpoints]
@@ -149,9 +150,9 @@ def test_parallel_hints() -> None:
 
 
 def _load(name: str, path: str) -> Any:
-    load = FAMILIES[name].load
-    assert load is not None
-    return load(path, dtype=torch.float32)
+    """As Miles loads it: through `load_causal_lm`, which finds the family by model_type."""
+    assert FAMILIES[name].load is not None
+    return load_causal_lm(path, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from miles.recipes.families.deepseek_v4 import (
     mlp_layer_types,
 )
 from miles.recipes.twins import write_twin
+from miles.torch.models import load_causal_lm
 
 ARCHITECTURES = Path(__file__).parents[1] / "src/miles/recipes/architectures"
 REAL = {
@@ -149,8 +150,9 @@ def twin(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _load(path: str, **kwargs: Any) -> Any:
+    """As Miles loads it: through `load_causal_lm`, which uses this family's `load`."""
     assert FAMILY.load is not None
-    return FAMILY.load(path, dtype=torch.float32, **kwargs).eval()
+    return load_causal_lm(path, dtype=torch.float32, **kwargs).eval()
 
 
 def _tokens(n: int = 32, seed: int = 0) -> torch.Tensor:

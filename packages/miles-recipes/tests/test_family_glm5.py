@@ -17,6 +17,7 @@ from miles.core.family import ModelShape
 from miles.core.routing import RouterAdapter, RoutingRecorder, RoutingReplay
 from miles.recipes.families.glm5 import glm_moe_dsa, indexer_types
 from miles.recipes.twins import write_twin
+from miles.torch.models import load_causal_lm
 
 ARCHITECTURES = Path(__file__).parents[1] / "src/miles/recipes/architectures"
 REAL = {
@@ -114,8 +115,8 @@ def twin(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _load(path: str, **kwargs: Any) -> Any:
-    assert FAMILY.load is not None
-    return FAMILY.load(path, dtype=torch.float32, **kwargs).eval()
+    """As Miles loads it: through `load_causal_lm` (GLM-5 needs no family loader)."""
+    return load_causal_lm(path, dtype=torch.float32, **kwargs).eval()
 
 
 def _tokens(n: int = 32, seed: int = 0) -> torch.Tensor:

@@ -137,6 +137,35 @@ def text_config(config: Config) -> Config:
     return text if isinstance(text, Mapping) else config
 
 
+def quantization_config(config: Config) -> Mapping[str, Any] | None:
+    """A checkpoint's quantization_config (a multimodal wrapper's, or its text model's)."""
+    for source in (config, text_config(config)):
+        quant = source.get("quantization_config")
+        if isinstance(quant, Mapping):
+            return quant
+    return None
+
+
+def dequantizing(config: Config | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """from_pretrained kwargs that load a pre-quantized checkpoint (fp8 blocks, compressed-tensors)
+    as plain weights. Miles trains and syncs full-precision weights; on a GPU that can run the
+    format, transformers would otherwise build quantized modules that cannot be trained. A
+    quantization_config the caller passed stays; families' notices say what a format needs."""
+    quant = quantization_config(config) if config is not None else None
+    if quant is None or quant.get("dequantize") or "quantization_config" in kwargs:
+        return kwargs
+    method = quant.get("quant_method")
+    if method == "fp8":
+        from transformers import FineGrainedFP8Config
+
+        return {**kwargs, "quantization_config": FineGrainedFP8Config(dequantize=True)}
+    if method == "compressed-tensors":
+        from transformers import CompressedTensorsConfig
+
+        return {**kwargs, "quantization_config": CompressedTensorsConfig(dequantize=True)}
+    return kwargs
+
+
 def family_for(manager: Any, model_type: str) -> ModelFamily | None:
     """The installed family that covers `model_type`, if any."""
     from miles.core.components import Kind

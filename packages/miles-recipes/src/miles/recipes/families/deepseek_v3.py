@@ -17,7 +17,15 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
-from miles.core.family import Config, ModelFamily, ModelShape, Notice, ParallelHints, ParamCounts
+from miles.core.family import (
+    Config,
+    ModelFamily,
+    ModelShape,
+    Notice,
+    ParallelHints,
+    ParamCounts,
+    quantization_config,
+)
 from miles.recipes.families.sizing import linear, moe_act, swiglu, swiglu_act
 
 # DeepseekV3Config's defaults (transformers 5.x) for the fields read here, so a config.json that
@@ -194,15 +202,6 @@ def router_notices(text: Config) -> list[Notice]:
     return out
 
 
-def quantization_config(config: Config) -> Mapping[str, Any] | None:
-    """The checkpoint's quantization_config (a multimodal wrapper's, or its text model's)."""
-    for source in (config, config.get("text_config") or {}):
-        quant = source.get("quantization_config")
-        if isinstance(quant, Mapping):
-            return quant
-    return None
-
-
 def _int4_scheme(quant: Mapping[str, Any]) -> str:
     """'4-bit int, group size 32, symmetric' from a compressed-tensors config's first weight
     group."""
@@ -222,8 +221,8 @@ def installed(package: str) -> bool:
 
 
 def quantization_notices(config: Config) -> list[Notice]:
-    """What `load` does with a pre-quantized checkpoint. fp8 (DeepSeek-V3, Kimi K2): transformers
-    dequantizes it at load, which `load` asks for (on a GPU of compute capability >= 8.9 it would
+    """What loading does with a pre-quantized checkpoint. fp8 (DeepSeek-V3, Kimi K2): transformers
+    dequantizes it at load, which `load_causal_lm` asks for (on a GPU of compute capability >= 8.9 it would
     otherwise keep untrainable fp8 linears). compressed-tensors INT4 (Kimi K2-Thinking, K2.5,
     K2.6 routed experts): transformers can dequantize it only through the compressed-tensors
     package."""
@@ -263,7 +262,7 @@ def quantization_notices(config: Config) -> list[Notice]:
         ]
     return [
         Notice(
-            f"pre-quantized checkpoint (quant_method={method!r}): this family's load does not "
+            f"pre-quantized checkpoint (quant_method={method!r}): Miles does not "
             "dequantize it, and transformers' quantized modules are not trainable; use a bf16 "
             "checkpoint",
             fatal=True,
@@ -279,33 +278,14 @@ def notices(config: Config) -> list[Notice]:
     return quantization_notices(config) + text_notices(config)
 
 
-def dequantizing(quant: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """from_pretrained kwargs that load a pre-quantized checkpoint as plain weights (unless the
-    caller chose a quantization_config itself)."""
-    if quant is None or "quantization_config" in kwargs:
-        return kwargs
-    method = quant.get("quant_method") if isinstance(quant, Mapping) else quant.quant_method
-    method = getattr(method, "value", method)  # transformers' QuantizationMethod is a str enum
-    if method == "fp8":
-        from transformers import FineGrainedFP8Config
-
-        return {**kwargs, "quantization_config": FineGrainedFP8Config(dequantize=True)}
-    if method == "compressed-tensors":
-        from transformers import CompressedTensorsConfig
-
-        return {**kwargs, "quantization_config": CompressedTensorsConfig(dequantize=True)}
-    return kwargs
-
-
 def load_text_model(
     path: str, config: Any, key_mapping: dict[str, str] | None, **kwargs: Any
 ) -> Any:
-    """DeepseekV3ForCausalLM from `path` with the given DeepseekV3Config, dequantized, renaming
-    checkpoint keys by `key_mapping`. Fails when any of the model's weights is not in the
+    """DeepseekV3ForCausalLM from `path` with the given DeepseekV3Config, renaming checkpoint keys
+    by `key_mapping` (`load_causal_lm` has asked for a quantized checkpoint's dequantization). Fails when any of the model's weights is not in the
     checkpoint (transformers would otherwise leave it randomly initialised, with a warning)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = dequantizing(getattr(config, "quantization_config", None), kwargs)
     if key_mapping:
         kwargs["key_mapping"] = {**key_mapping, **(kwargs.get("key_mapping") or {})}
     want_info = bool(kwargs.pop("output_loading_info", False))

@@ -304,7 +304,7 @@ def _quantization_notices(config: Config) -> list[Notice]:
                 + (f"; routed experts in {experts}" if experts else "")
                 + "): Miles "
                 "loads it dequantized to the training dtype (transformers "
-                "FineGrainedFP8Config(dequantize=True), through this family's load: without it "
+                "FineGrainedFP8Config(dequantize=True), asked for by load_causal_lm: without it "
                 "transformers would build frozen FP8 modules, and FP4 experts have no backward "
                 "there), trains and syncs that dtype, and saves it unquantized; memory is that "
                 "of the dequantized model."
@@ -423,18 +423,12 @@ class SqrtSoftplusRouter:
 
 
 def load(path: str, **kwargs: Any) -> Any:
-    """AutoModelForCausalLM with the two things a DeepSeek-V4 checkpoint needs: eager attention
-    (the only kind transformers implements for it; the trainer asks for sdpa by default), and,
-    for the FP8/FP4 release, dequantization at load even on a GPU that could run it quantized
-    (transformers would build frozen FP8 modules, with no backward through FP4 experts)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config
+    """AutoModelForCausalLM in eager attention, the only kind transformers implements for
+    DeepSeek-V4 (the trainer asks for sdpa by default). The FP8/FP4 release is dequantized by
+    `load_causal_lm`, as every pre-quantized checkpoint."""
+    from transformers import AutoModelForCausalLM
 
-    kwargs["attn_implementation"] = "eager"
-    hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "trust_remote_code") if k in kwargs}
-    quant = getattr(AutoConfig.from_pretrained(path, **hub_kwargs), "quantization_config", None)
-    if isinstance(quant, Mapping) and quant.get("quant_method") == "fp8":
-        kwargs.setdefault("quantization_config", FineGrainedFP8Config(dequantize=True))
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(path, **{**kwargs, "attn_implementation": "eager"})
 
 
 # --- tiny twin -------------------------------------------------------------------------------

@@ -210,8 +210,8 @@ def _quantization_notices(quant: Mapping[str, Any]) -> list[Notice]:
             Notice(
                 f"FP8 checkpoint (quant_method fp8, e4m3 blocks of "
                 f"{quant.get('weight_block_size')}): Miles loads it dequantized to the "
-                "training dtype (transformers FineGrainedFP8Config(dequantize=True), through "
-                "this family's load), trains and syncs it in that dtype, and saves it "
+                "training dtype (transformers FineGrainedFP8Config(dequantize=True), which "
+                "load_causal_lm asks for), trains and syncs it in that dtype, and saves it "
                 "unquantized; use precision=fp8 to give the engines fp8 weights again."
             )
         ]
@@ -279,18 +279,6 @@ def notices(config: Config) -> list[Notice]:
     return out
 
 
-def load(path: str, **kwargs: Any) -> Any:
-    """AutoModelForCausalLM, except that an FP8 checkpoint (zai-org/GLM-5-FP8, GLM-5.1-FP8) is
-    dequantized at load even on a GPU that could run it in fp8: Miles trains full-precision
-    weights (transformers would otherwise build FP8Linear modules with fp8 parameters)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config
-
-    quant = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
-    if isinstance(quant, Mapping) and quant.get("quant_method") == "fp8":
-        kwargs.setdefault("quantization_config", FineGrainedFP8Config(dequantize=True))
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
-
-
 def tiny() -> dict[str, Any]:
     """3 layers: one dense, two MoE (8 experts, top-2, a shared expert), every layer with its DSA
     indexer (GLM-5 / 5.1 run one on every layer) selecting 8 keys, fewer than a 32-token
@@ -337,7 +325,6 @@ def glm_moe_dsa() -> ModelFamily:
         parallel=parallel,
         notices=notices,
         tiny=tiny,
-        load=load,
         summary="GLM-5 / GLM-5.1: MLA + DSA sparse-attention indexer, sigmoid group-limited "
         "top-k MoE after 3 dense layers",
         checkpoints=("zai-org/GLM-5", "zai-org/GLM-5.1"),

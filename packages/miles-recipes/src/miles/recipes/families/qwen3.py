@@ -73,15 +73,21 @@ def gqa_act(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
 
 
 def quantization_notices(config: Config) -> list[Notice]:
-    """A pre-quantized checkpoint: transformers loads it into its own quantized modules (FP8
-    linears, packed int4...), whose weights are not trainable parameters and whose layout is not
-    what Miles syncs to the engines, so training would silently leave them frozen."""
+    """A pre-quantized checkpoint: fp8 blocks load dequantized (`load_causal_lm`); any other
+    format would stay in transformers' quantized modules, whose weights are not trainable
+    parameters and not what Miles syncs, so training would silently leave them frozen."""
     quant = config.get("quantization_config")
-    if not isinstance(quant, Mapping):
-        return []
-    if quant.get("dequantize"):  # transformers dequantizes to bf16 at load: plain weights
+    if not isinstance(quant, Mapping) or quant.get("dequantize"):
         return []
     method = quant.get("quant_method", "unknown")
+    if method == "fp8":
+        return [
+            Notice(
+                "fp8 checkpoint: loaded dequantized to the training dtype (transformers "
+                "FineGrainedFP8Config(dequantize=True)); Miles trains and syncs high-precision "
+                "weights (its `precision` setting can quantize the rollout engines again)"
+            )
+        ]
     return [
         Notice(
             f"pre-quantized checkpoint (quantization_config.quant_method={method!r}): Miles "
