@@ -2,12 +2,12 @@
 
 What a plugin author needs is importable from here::
 
-    from miles.core import ComponentSpec, Kind, hookimpl
+    from miles.core import Capability, ComponentSpec, Kind, hookimpl
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from miles.core.components import Component, ComponentSpec, Kind, lazy
+from miles.core.components import Capability, Component, ComponentSpec, Kind, lazy
 from miles.core.hookspecs import hookimpl
 
 try:
@@ -15,4 +15,12 @@ try:
 except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0.0.0"
 
-__all__ = ["Component", "ComponentSpec", "Kind", "__version__", "hookimpl", "lazy"]
+__all__ = [
+    "Capability",
+    "Component",
+    "ComponentSpec",
+    "Kind",
+    "__version__",
+    "hookimpl",
+    "lazy",
+]

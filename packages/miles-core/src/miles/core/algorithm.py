@@ -1,24 +1,39 @@
 """Turning rewards into what the loss needs: advantages per token, loss weights, a KL term.
 
-Loss weights fold the loss mask and the aggregation over the *global* batch into one number per
-token, so any split into micro-batches and data-parallel ranks sums to the one-shot value.
+Every train rank runs `Algorithm.prepare` on the same batch (so the batch goes from the rollout
+manager to the trainers without a round trip through the controller), between the backend's
+logprobs and its train step. Loss weights fold the loss mask and the aggregation over the
+*global* batch into one number per token, so any split into micro-batches and data-parallel ranks
+sums to the one-shot value. Numpy only: the loss wrappers here pass torch tensors through
+without importing torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from miles.core.protocols import LossInputs, PolicyLoss
+from miles.core.backends import LogprobResult
+from miles.core.config import AlgorithmConfig
+from miles.core.protocols import (
+    AdvantageEstimator,
+    Correction,
+    KLEstimator,
+    LossInputs,
+    PolicyLoss,
+    TokenAdvantageEstimator,
+)
 from miles.core.types import PackedBatch
 
 if TYPE_CHECKING:
     import torch
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+F32 = npt.NDArray[np.float32]
 
 
 def token_seq_index(batch: PackedBatch) -> npt.NDArray[np.int64]:
@@ -58,12 +73,7 @@ def masked_mean(values: npt.NDArray[Any], mask: npt.NDArray[Any]) -> float:
 class WithKL:
     """Adds ``coef * KL(pi || pi_ref)`` per token to a policy loss, as a loss term."""
 
-    def __init__(
-        self,
-        base: PolicyLoss,
-        estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        coef: float,
-    ) -> None:
+    def __init__(self, base: PolicyLoss, estimator: KLEstimator, coef: float) -> None:
         self.base, self.estimator, self.coef = base, estimator, coef
 
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -112,3 +122,89 @@ def mismatch_metrics(
         "train/is_ratio_mean": float(w.mean()) if n else 1.0,
         "train/ess_ratio": float(w.sum() ** 2 / (n * (w**2).sum())) if n else 1.0,
     }
+
+
+@dataclass
+class Algorithm:
+    """The run's algorithm components (built once per train rank) and what they do to a batch
+    between the backend's logprobs and its train step."""
+
+    config: AlgorithmConfig
+    loss: PolicyLoss  # the policy loss, with the KL term and entropy bonus folded in
+    advantage: AdvantageEstimator | None = None  # per sample, from rewards
+    token_advantage: TokenAdvantageEstimator | None = None  # per token, from a critic's values
+    value_loss: PolicyLoss | None = None  # the critic's, with `token_advantage`
+    kl: KLEstimator | None = None
+    correction: Correction | None = None
+
+    def prepare(
+        self, batch: PackedBatch, out: LogprobResult, values: Callable[[], F32] | None = None
+    ) -> dict[str, float]:
+        """Fills the batch's advantages, loss weights, old and reference logprobs (and values and
+        returns, with a critic, from `values()`); returns the step's pre-update metrics."""
+        algo = self.config
+        trainer_lp = out.logprobs.astype(np.float32)
+        batch.ref_logprobs = out.ref_logprobs
+        # Before the update: how far the engine's view of the sampled tokens is from the
+        # trainer's. 0 up to float error when both run the same weights and numerics.
+        metrics = mismatch_metrics(trainer_lp, batch.rollout_logprobs, batch.loss_mask)
+        metrics.update(out.metrics)
+        token_penalty = None
+        if self.kl is not None and algo.kl.mode == "reward":
+            if batch.ref_logprobs is None:
+                raise ValueError("a KL penalty needs reference logprobs from the train backend")
+            kl = np.asarray(self.kl(trainer_lp, batch.ref_logprobs), np.float64)
+            token_penalty = algo.kl.coef * kl * batch.loss_mask
+            metrics["train/kl_reward_penalty"] = float(sequence_sums(token_penalty, batch).mean())
+        if self.token_advantage is not None:
+            if values is None:
+                raise ValueError("a per-token advantage needs the critic's values")
+            self._token_advantages(batch, values(), token_penalty, metrics)
+        else:
+            assert self.advantage is not None, "an Algorithm needs an advantage estimator"
+            rewards = batch.rewards
+            if token_penalty is not None:
+                rewards = (rewards - sequence_sums(token_penalty, batch)).astype(np.float32)
+            advantages = np.asarray(self.advantage(rewards, batch.group_ids), np.float32)
+            spread_advantages(batch, advantages)
+            metrics["train/advantage_abs_mean"] = float(np.abs(advantages).mean())
+        is_weights = self._correct(batch, trainer_lp, metrics)
+        batch.loss_weights = loss_weights(batch, algo.aggregation, algo.seq_sum_normalizer)
+        if is_weights is not None:
+            batch.loss_weights = (batch.loss_weights * is_weights).astype(np.float32)
+        old = trainer_lp if algo.old_logprobs == "trainer" else batch.rollout_logprobs
+        batch.old_logprobs = old
+        return metrics
+
+    def _token_advantages(
+        self,
+        batch: PackedBatch,
+        values: F32,
+        token_penalty: npt.NDArray[np.float64] | None,
+        metrics: dict[str, float],
+    ) -> None:
+        """PPO with a critic: per-token advantages and return targets from the critic's values."""
+        assert self.token_advantage is not None
+        values = np.asarray(values, np.float32)
+        advantages, returns = self.token_advantage.token_advantages(
+            batch.rewards, values, batch.offsets, batch.loss_mask, token_penalty
+        )
+        batch.advantages, batch.values, batch.returns = advantages, values, returns
+        trained = batch.loss_mask > 0
+        metrics["train/advantage_abs_mean"] = float(np.abs(advantages[trained]).mean())
+        metrics["critic/values_mean"] = float(values[trained].mean())
+
+    def _correct(
+        self, batch: PackedBatch, trainer_lp: F32, metrics: dict[str, float]
+    ) -> F32 | None:
+        """Applies the mismatch correction: tokens it drops leave the loss mask (and so the
+        aggregation's denominator); its importance weights scale each token's loss weight."""
+        if self.correction is None:
+            metrics["train/is_clipfrac"] = 0.0
+            return None
+        weights, keep, extra = self.correction(
+            trainer_lp, batch.rollout_logprobs, batch.loss_mask, token_seq_index(batch)
+        )
+        metrics.update({k: float(v) for k, v in extra.items()})
+        batch.loss_mask = (batch.loss_mask * np.asarray(keep)).astype(np.float32)
+        return np.asarray(weights, np.float32)

@@ -6,7 +6,7 @@ import importlib
 import inspect
 from collections.abc import Iterable
 
-from miles.core.components import ComponentSpec, Kind
+from miles.core.components import Capability, ComponentSpec, Kind
 from miles.core.hookspecs import hookimpl
 from miles.core.sinks import JsonlSink
 
@@ -39,4 +39,9 @@ def miles_resolve_component(kind: Kind, name: str) -> ComponentSpec | None:
         raise LookupError(f"{name!r} is neither a ComponentSpec nor callable")
     summary = (obj.__doc__ or "").strip().splitlines()[0] if obj.__doc__ else name
     factory = obj if inspect.isclass(obj) else (lambda: obj)
-    return ComponentSpec(kind, attr, factory, summary)
+    # One-off code has no spec to declare in: a reward class with `score_group` scores groups.
+    group = (
+        kind == Kind.REWARD and inspect.isclass(obj) and callable(getattr(obj, "score_group", None))
+    )
+    capabilities = frozenset({Capability.SCORES_GROUPS}) if group else frozenset()
+    return ComponentSpec(kind, attr, factory, summary, capabilities=capabilities)

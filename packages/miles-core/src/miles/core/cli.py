@@ -1,12 +1,13 @@
 """The ``miles`` command line.
 
-Heavy modules (torch, ray, transformers, the OpenTelemetry SDK) are imported inside the commands
-that need them, so ``miles --help`` stays fast.
+Heavy modules (ray, the OpenTelemetry SDK) are imported inside the commands that need them, so
+``miles --help`` stays fast. Plugins may add commands (the ``miles_register_commands`` hook).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,19 +16,52 @@ from typing import Any
 import click
 
 from miles.core import __version__
+from miles.core.components import ComponentConflictError, ComponentNotFoundError, Kind
+from miles.core.plugins import PluginManager, get_plugin_manager
 
 
-def _manager(strict: bool = True) -> Any:
-    from miles.core.components import ComponentConflictError
-    from miles.core.plugins import PluginManager
+def _manager(strict: bool = True) -> PluginManager:
+    """The plugins; with `strict`, a name two distributions register is an error here."""
+    manager = get_plugin_manager()
+    if strict:
+        try:
+            manager.require_no_conflicts()
+        except ComponentConflictError as exc:
+            raise click.ClickException(str(exc)) from None
+    return manager
 
-    try:
-        return PluginManager().load(strict=strict)
-    except ComponentConflictError as exc:
-        raise click.ClickException(str(exc)) from None
+
+class _MilesGroup(click.Group):
+    """Built-in commands, plus those plugins add (`miles_register_commands`), which load only when
+    a name is not built in or the commands are listed: `miles run` imports no plugin before it
+    has set up Ray. The top-level group and `miles plugins` (where miles-plugin-kit adds `new`
+    and `check`) are both of this class."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        _add_plugin_commands()
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is None:
+            _add_plugin_commands()
+            command = super().get_command(ctx, cmd_name)
+        return command
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+_commands_added_by: PluginManager | None = None
+
+
+def _add_plugin_commands() -> None:
+    """Lets the plugins add their commands to `cli`, once per process-wide plugin manager."""
+    global _commands_added_by
+    manager = get_plugin_manager()
+    if manager is not _commands_added_by:
+        _commands_added_by = manager
+        manager.pm.hook.miles_register_commands(cli=cli)
+
+
+@click.group(cls=_MilesGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="miles")
 @click.option(
     "--log-format",
@@ -55,9 +89,13 @@ def cli(ctx: click.Context, log_format: str, log_level: str) -> None:
 # ── plugins ──────────────────────────────────────────────────────────────────────────────────────
 
 
-@cli.group()
+@cli.group(cls=_MilesGroup)
 def plugins() -> None:
-    """Installed plugin distributions."""
+    """Installed plugin distributions.
+
+    For plugin authors, `pip install miles-plugin-kit` adds `new` (scaffold a package to publish)
+    and `check` (conformance checks).
+    """
 
 
 @plugins.command("list")
@@ -112,106 +150,7 @@ def plugins_show(name: str) -> None:
             click.echo(f"  {kind}/{component_name}: {summary}")
 
 
-@plugins.command("new")
-@click.argument("kind", type=click.Choice(["reward"]))
-@click.argument("name")
-@click.option(
-    "--dir",
-    "dest",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where to write the package (default: ./miles-reward-NAME).",
-)
-def plugins_new(kind: str, name: str, dest: Path | None) -> None:
-    """Scaffold a ready-to-publish plugin package: `miles plugins new reward NAME`.
-
-    NAME is the reward's name, e.g. math-verify: the package is miles-reward-math-verify, the
-    module miles_reward_math_verify, and run configs use `reward: {name: math_verify}`.
-    """
-    from miles.core.scaffold import RewardNames, ScaffoldError, scaffold_reward
-
-    try:
-        RewardNames.parse(name)  # a bad NAME fails before plugins load, which takes a while
-        taken = [c.name for c in _manager(strict=False).registry.all() if c.kind == kind]
-        names, path = scaffold_reward(name, dest, taken=taken)
-    except ScaffoldError as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(f"created {names.dist} in {path} (reward {names.reward!r})")
-    click.echo("next:")
-    click.echo(f"  cd {path}")
-    click.echo('  pip install -e ".[test]"')
-    click.echo(f"  pytest && miles plugins check {names.dist}")
-    click.echo("  see docs/publish-a-reward.md to build and upload it")
-
-
-@plugins.command("check")
-@click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of check results.")
-@click.option(
-    "--timeout",
-    type=float,
-    default=10.0,
-    show_default=True,
-    help="Seconds one reward call may take.",
-)
-def plugins_check(name: str, as_json: bool, timeout: float) -> None:
-    """Conformance checks on the rewards of a distribution, or on one `reward/NAME`.
-
-    Each reward is built with its default config and must return finite floats within its
-    declared reward_range on ordinary, empty and garbage responses, pickle for Ray, and be
-    deterministic if it says so. Exits 1 if any check fails.
-    """
-    from dataclasses import asdict
-
-    from packaging.utils import canonicalize_name
-
-    from miles.core.conformance import check_reward, format_results
-
-    manager = _manager(strict=False)
-    kind, sep, component = name.partition("/")
-    if sep:
-        if kind != "reward":
-            raise click.ClickException(f"only rewards can be checked, not {kind!r} components")
-        targets = [_lookup(manager, "reward", component)]
-        label = f"reward {component!r}"
-    else:
-        record = manager.records.get(canonicalize_name(name))
-        if record is None:
-            import difflib
-
-            close = difflib.get_close_matches(canonicalize_name(name), list(manager.records), n=3)
-            hint = f" Did you mean: {', '.join(close)}?" if close else ""
-            raise click.ClickException(f"no plugin distribution named {name!r}.{hint}")
-        if record.status != "ok":
-            raise click.ClickException(f"{record.name} is {record.status}: {record.error}")
-        rewards = record.components.get("reward", [])
-        if not rewards:
-            provides = ", ".join(f"{k}: {', '.join(v)}" for k, v in record.components.items())
-            raise click.ClickException(
-                f"{record.name} provides no reward to check (it provides: {provides or 'nothing'})"
-            )
-        targets = [_lookup(manager, "reward", r) for r in rewards]
-        label = f"{record.name} {record.version}"
-    results = [r for target in targets for r in check_reward(target, timeout=timeout)]
-    failed = [r for r in results if not r.passed]
-    if as_json:
-        click.echo(json.dumps([{**asdict(r), "passed": r.passed} for r in results], indent=2))
-    else:
-        click.echo(format_results(results))
-        click.echo()
-        for r in failed:
-            click.secho(f"FAIL {r.message}", fg="red")
-        verdict = (
-            f"{len(failed)} of {len(results)} checks failed" if failed else "all checks passed"
-        )
-        click.echo(f"{label}: {verdict}")
-    if failed:
-        sys.exit(1)
-
-
-def _lookup(manager: Any, kind: str, name: str) -> Any:
-    from miles.core.components import ComponentNotFoundError
-
+def _lookup(manager: PluginManager, kind: str, name: str) -> Any:
     try:
         return manager.get(kind, name)
     except (ComponentNotFoundError, LookupError) as exc:
@@ -230,9 +169,8 @@ def components() -> None:
 @click.option("--kind", "kind", default=None, help="Only this kind, e.g. reward or loss.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 def components_list(kind: str | None, as_json: bool) -> None:
-    """Every registered component: kind, name, providing distribution, summary."""
-    from miles.core.components import Kind
-
+    """Every registered component: kind, name, providing distribution, summary (and, with
+    --json, its capabilities)."""
     if kind is not None and kind not in {k.value for k in Kind}:
         raise click.BadParameter(
             f"unknown kind {kind!r}; choose from {', '.join(k.value for k in Kind)}",
@@ -248,6 +186,7 @@ def components_list(kind: str | None, as_json: bool) -> None:
                 "distribution": c.distribution,
                 "version": c.version,
                 "summary": c.spec.summary,
+                "capabilities": sorted(c.spec.capabilities),
             }
             for c in items
         ]
@@ -270,7 +209,6 @@ def recipes() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 def recipes_list(as_json: bool) -> None:
     """Every installed recipe, with its model and layout."""
-    from miles.core.components import Kind
     from miles.core.recipe import describe
 
     manager = _manager()
@@ -305,7 +243,9 @@ def recipes_plan(
     """Per-GPU memory of a recipe (or CONFIG.yaml): weights, gradients, optimizer state,
     activations and KV cache. Exits 1 when it does not fit in --gpu-mem."""
     from miles.core.config import ConfigError, apply_overrides, load_yaml, parse
-    from miles.core.planner import PlanError, format_plan, parse_memory, plan
+    from miles.core.gpu_memory import MemoryParseError, parse_memory
+    from miles.core.plan_table import format_plan
+    from miles.core.planner import PlanError, plan
 
     recipe = None
     try:
@@ -324,8 +264,9 @@ def recipes_plan(
         mem = parse_memory(gpu_mem) if gpu_mem else None
         if gpus is not None and gpus < 1:
             raise PlanError("--gpus must be at least 1")
-        result = plan(config, _manager(), gpus=gpus, gpu_mem_gb=mem)
-    except (ConfigError, PlanError) as exc:
+        _manager()
+        result = plan(config, gpus=gpus, gpu_mem_gb=mem)
+    except (ConfigError, PlanError, MemoryParseError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
@@ -342,8 +283,6 @@ def recipes_plan(
 
 
 def _load_recipe(name: str) -> Any:
-    from miles.core.components import Kind
-
     return _lookup(_manager(), Kind.RECIPE, name).spec.factory()
 
 
@@ -379,10 +318,14 @@ def run(
     ray_address: str | None,
 ) -> None:
     """Run RL post-training from CONFIG.yaml or a recipe name (see `miles components list --kind recipe`)."""
-    from miles.core.runner import RunRequest, run_from_cli
-
     if target is None and not resume:
         raise click.UsageError("give a CONFIG.yaml or a recipe name (or --resume --run-dir DIR)")
+    if not ray_address:
+        # The local Ray this run starts requires Ray's auth token on every connection. Ray reads
+        # the mode once, on import: set it before anything imports ray.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from miles.core.runner import RunRequest, run_from_cli
+
     request = RunRequest(
         target=target or "",
         overrides=list(overrides),
@@ -393,31 +336,6 @@ def run(
         log_level=ctx.obj["log_level"],
     )
     sys.exit(run_from_cli(request))
-
-
-# ── report ───────────────────────────────────────────────────────────────────────────────────────
-
-
-@cli.command()
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where to write the report (default: RUN_DIR/report).",
-)
-def report(run_dir: Path, out: Path | None) -> None:
-    """Write an HTML report of a run (finished or still running): curves, a timeline of the
-    actors, idle time and the slowest steps. Needs matplotlib: pip install 'miles-core[report]'."""
-    from miles.core.report import MissingDependencyError, NotARunError, build_report
-
-    try:
-        written = build_report(run_dir, out)
-    except (NotARunError, MissingDependencyError) as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(str(written.page))
-    for path in written.figures:
-        click.echo(str(path))
 
 
 def _print_table(rows: Sequence[tuple[str, ...]]) -> None:

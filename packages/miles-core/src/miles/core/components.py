@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import difflib
 import enum
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from miles.core.config import RunConfig
+from miles.core.memory import PrecisionMemoryModel, RolloutMemoryModel, TrainMemoryModel
 
 
 class Kind(enum.StrEnum):
@@ -28,14 +32,57 @@ class Kind(enum.StrEnum):
     METRIC_SINK = "metric_sink"
 
 
+class Capability(enum.StrEnum):
+    """What a component can do, declared in its spec. The run checks them before launch and the
+    runtime branches on them; nothing in the core tests a component's name."""
+
+    # Train backends: how they split the model over ranks (data parallelism is always there).
+    TENSOR_PARALLEL = "tensor_parallel"
+    PIPELINE_PARALLEL = "pipeline_parallel"
+    EXPERT_PARALLEL = "expert_parallel"
+    CONTEXT_PARALLEL = "context_parallel"
+    CRITIC = "critic"  # trains a value model beside the policy (for advantages that need values)
+    REFERENCE = "reference"  # keeps the initial policy for reference logprobs (a KL term)
+    LORA = "lora"  # trains low-rank adapters over a frozen base (the run's `lora` section)
+    ROUTING_REPLAY = "routing_replay"  # routes MoE tokens through the experts the rollout chose
+    # Train and rollout backends: they give the GPU back to each other (sleep/wake and
+    # release/resume memory), so both may share one (placement: colocated).
+    COLOCATE = "colocate"
+    # Rollout backends.
+    ROUTING_RECORD = "routing_record"  # records each token's MoE experts
+    QUANTIZED_ROLLOUT = "quantized_rollout"  # takes a quantized precision's synced weights
+    LORA_ADAPTERS = (
+        "lora_adapters"  # applies synced LoRA adapters to its base (lora.sync: adapters)
+    )
+    PARTIAL_ROLLOUT = "partial_rollout"  # a pause hands unfinished requests back with their tokens
+    SERVER = "server"  # runs as a server of its own (HTTP), which the engine actor drives
+    # Precisions.
+    QUANTIZED = "quantized"  # a weight format of its own: it converts the training layers, and
+    # engines get its quantized weights at every sync (never model.path as it is on disk)
+    # Advantage estimators.
+    NEEDS_VALUES = "needs_values"  # per-token advantages from a critic's values (gae)
+    # Rewards.
+    SCORES_GROUPS = "scores_groups"  # scores a whole group in one call (`score_group`)
+    # Filters.
+    OVERSAMPLES = "oversamples"  # may drop whole groups and ask for extra rounds to refill a step
+
+
+# What a spec may declare as its memory model, by kind (the planner adds them up).
+MemoryModel = TrainMemoryModel | RolloutMemoryModel | PrecisionMemoryModel
+# A check of the whole run a component makes before launch (e.g. LoRA targets against the
+# model): (the run config, the component's own built config or None) -> problems, each one line.
+RunCheck = Callable[[RunConfig, Any], list[str]]
+
+
 @dataclass(frozen=True)
 class ComponentSpec:
     """One named component, as a plugin declares it.
 
-    `factory` builds the component; when `config` is a dataclass type, the component's section of the
-    run config is validated against it and the factory receives the instance. `capabilities` name
-    optional features the run checks before launch (a train backend's "tensor_parallel",
-    "pipeline_parallel", "expert_parallel", "context_parallel").
+    `factory` builds the component; when `config` is a dataclass type, the component's section of
+    the run config is validated against it and the factory receives the instance first.
+    `capabilities` say what it can do (see `Capability`), `memory` how much GPU memory it needs
+    (train and rollout backends, precisions; see `miles.core.memory`), and `check` what it must
+    see in the run config before launch.
     """
 
     kind: Kind
@@ -43,7 +90,9 @@ class ComponentSpec:
     factory: Callable[..., Any]
     summary: str
     config: type | None = None
-    capabilities: frozenset[str] = frozenset()
+    capabilities: frozenset[Capability] = frozenset()
+    memory: MemoryModel | None = None
+    check: RunCheck | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -53,6 +102,20 @@ class ComponentSpec:
             raise ValueError(
                 f"invalid component name {self.name!r}: use letters, digits, '_', '-', '.'"
             )
+        known = {c.value for c in Capability}
+        unknown = sorted(str(c) for c in self.capabilities if str(c) not in known)
+        if unknown:
+            raise ValueError(
+                f"{self.kind} {self.name!r}: unknown capabilities {unknown}; choose from "
+                f"{', '.join(sorted(known))}"
+            )
+        # Plain strings are accepted for convenience and stored as members.
+        object.__setattr__(
+            self, "capabilities", frozenset(Capability(c) for c in self.capabilities)
+        )
+
+    def has(self, capability: Capability) -> bool:
+        return capability in self.capabilities
 
 
 @dataclass(frozen=True)
@@ -129,8 +192,6 @@ def lazy(target: str) -> Callable[..., Any]:
     module_name, _, attr = target.partition(":")
 
     def factory(*args: Any, **kwargs: Any) -> Any:
-        import importlib
-
         return getattr(importlib.import_module(module_name), attr)(*args, **kwargs)
 
     factory.__qualname__ = factory.__name__ = attr

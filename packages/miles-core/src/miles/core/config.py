@@ -4,25 +4,26 @@ Top-level keys are a contract: name, seed, steps, mode, model, data, rollout, re
 algorithm, train, precision, lora, moe, async, checkpoint, telemetry (plus placement, fault,
 planner, warmstart and eval).
 A section that names a component (``reward: {name: exact_match, answer_key: label}``) keeps the
-component's own options aside; `validate` checks them against that component's config dataclass,
-before any worker starts.
+component's own options aside; `miles.core.validation` checks them against that component's config
+dataclass, before any worker starts.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from miles.core.components import Kind
 from miles.core.configtools import ConfigError, build, closest, to_dict
 
 Mode = Literal["sync", "one_step_off", "async"]
 Placement = Literal["disaggregated", "colocated"]
+# MoE routing replay: "ids" routes every trained token through the experts the rollout engine
+# chose, "ids+weights" takes their gate weights too; "off" only measures the agreement.
+ReplayMode = Literal["off", "ids", "ids+weights"]
 
 
 @dataclass
@@ -151,10 +152,11 @@ class TrainConfig:
 
 @dataclass
 class WarmstartConfig:
-    """An optional SFT stage before RL, through the same train backend and the `sft` loss."""
+    """An optional SFT stage before RL, through the same train backend and an SFT loss."""
 
     data: str | None = None  # JSONL rows with a prompt and a response
     steps: int = 0
+    loss: ComponentRef = field(default_factory=lambda: ComponentRef("sft"))
     batch_size: int = 32
     prompt_key: str = "prompt"
     response_key: str = "response"
@@ -170,26 +172,40 @@ class EvalConfig:
 
 
 @dataclass
-class LoRASection:
+class LoRAConfig:
     """Low-rank adapters: the train backend trains them with the base weights frozen."""
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    # Module names (their last component) to adapt, e.g. q_proj; checked against the model.
+    # Module names (their last component) to adapt, e.g. q_proj ("q_proj" hits
+    # "model.layers.3.self_attn.q_proj"); checked against the model before launch.
     targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     # merged: engines get base + adapters as plain weights; adapters: engines get only the
     # adapters (a few percent of the bytes) and apply them to the base they hold.
     sync: Literal["merged", "adapters"] = "merged"
 
     def __post_init__(self) -> None:
-        if self.rank < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1 or not self.targets:
-            raise ValueError("lora: rank >= 1, alpha > 0, 0 <= dropout < 1 and some targets")
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.targets:
+            raise ValueError("lora.targets must name at least one module")
+        if self.sync not in ("merged", "adapters"):
+            raise ValueError(f"lora.sync must be 'merged' or 'adapters', got {self.sync!r}")
+
+    @property
+    def scaling(self) -> float:
+        """What multiplies B @ A: alpha / rank."""
+        return self.alpha / self.rank
 
 
 @dataclass
 class MoEConfig:
-    routing_replay: Literal["off", "ids", "ids+weights"] = "off"
+    routing_replay: ReplayMode = "off"
 
 
 @dataclass
@@ -219,14 +235,17 @@ class FaultConfig:
 
     health_check_s: float = 10.0  # how often each engine is asked for its health
     request_timeout_s: float = 300.0  # an engine silent this long inside generate is hung
+    start_timeout_s: float = 600.0  # a (re)started engine must load its model within this
     max_engine_restarts: int = 3  # per engine; past it the run fails
     max_train_restarts: int = 2  # restarts of the train group from its latest checkpoint
     backoff_s: float = 1.0  # the first retry waits this long, each next one twice as long,
     backoff_max_s: float = 30.0  # up to this
 
     def __post_init__(self) -> None:
-        if min(self.health_check_s, self.request_timeout_s) <= 0:
-            raise ValueError("fault.health_check_s and fault.request_timeout_s must be > 0")
+        if min(self.health_check_s, self.request_timeout_s, self.start_timeout_s) <= 0:
+            raise ValueError(
+                "fault.health_check_s, request_timeout_s and start_timeout_s must be > 0"
+            )
         if min(self.max_engine_restarts, self.max_train_restarts) < 0:
             raise ValueError("fault.max_engine_restarts and max_train_restarts must be >= 0")
 
@@ -283,7 +302,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     precision: ComponentRef = field(default_factory=lambda: ComponentRef("fp32"))
-    lora: LoRASection | None = None
+    lora: LoRAConfig | None = None
     moe: MoEConfig = field(default_factory=MoEConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -334,221 +353,13 @@ def parse(data: dict[str, Any]) -> RunConfig:
     return build(RunConfig, data)
 
 
-# Where the components a default config names come from: `pip install miles-core` alone is a
-# minimal install, and a run says what to add.
-_DEFAULT_PROVIDERS = {
-    Kind.ROLLOUT_BACKEND: "miles-torch",
-    Kind.TRAIN_BACKEND: "miles-torch",
-    Kind.ROLLOUT_FUNCTION: "miles-rewards",
-    Kind.REWARD: "miles-rewards",
-    Kind.FILTER: "miles-rewards",
-    Kind.ADVANTAGE: "miles-losses",
-    Kind.LOSS: "miles-losses",
-    Kind.KL: "miles-losses",
-    Kind.PRECISION: "miles-precision",
-}
-
-
-# The production backends the frontier recipes name, and the package that provides each.
-_PRODUCTION_BACKENDS = {
-    "megatron": "the miles-megatron package (Megatron-core training; not in this release yet)",
-    "sglang": "the miles-sglang package (SGLang rollout; not in this release yet)",
-}
-
-
-def validate(config: RunConfig, manager: Any) -> None:
-    """Checks every component name and its options against the installed plugins."""
-    problems: list[str] = []
-
-    def check(
-        kind: Kind,
-        ref: ComponentRef | str,
-        path: str,
-        options: dict[str, Any],
-        generic: tuple[str, ...] = (),
-    ) -> None:
-        name = ref.name if isinstance(ref, ComponentRef) else ref
-        try:
-            spec = manager.get(kind, name).spec
-        except LookupError as exc:
-            provider = _DEFAULT_PROVIDERS.get(kind)
-            hint = f"; `pip install {provider}` provides the built-in ones" if provider else ""
-            if name in _PRODUCTION_BACKENDS:
-                hint = f"; {_PRODUCTION_BACKENDS[name]} provides it"
-            problems.append(f"{path}: {exc}{hint}")
-            return
-        if spec.config is None:
-            if options:
-                problems.append(f"{path}: {kind} {name!r} takes no options, got {sorted(options)}")
-            return
-        own = [f.name for f in dataclasses.fields(spec.config)]
-        for key in options:
-            if key not in own:
-                accepted = ", ".join([*generic, *own])
-                problems.append(
-                    f"{path}.{key}: unknown key{closest(key, [*generic, *own])} "
-                    f"(accepted here: {accepted})"
-                )
-        try:
-            build(spec.config, {k: v for k, v in options.items() if k in own}, path)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-
-    def ref(kind: Kind, r: ComponentRef, path: str) -> None:
-        check(kind, r, path, r.options)
-
-    ref(Kind.ROLLOUT_FUNCTION, config.rollout.function, "rollout.function")
-    check(
-        Kind.ROLLOUT_BACKEND,
-        config.rollout.backend,
-        "rollout",
-        config.rollout.options,
-        _generic_keys(RolloutConfig),
-    )
-    check(
-        Kind.TRAIN_BACKEND,
-        config.train.backend,
-        "train",
-        config.train.options,
-        _generic_keys(TrainConfig),
-    )
-    ref(Kind.REWARD, config.reward, "reward")
-    for i, f in enumerate(config.filters):
-        ref(Kind.FILTER, f, f"filters[{i}]")
-    ref(Kind.ADVANTAGE, config.algorithm.advantage, "algorithm.advantage")
-    if config.algorithm.correction is not None:
-        ref(Kind.CORRECTION, config.algorithm.correction, "algorithm.correction")
-    ref(Kind.LOSS, config.algorithm.loss, "algorithm.loss")
-    if config.algorithm.kl.coef:
-        check(Kind.KL, config.algorithm.kl.estimator, "algorithm.kl.estimator", {})
-    ref(Kind.PRECISION, config.precision, "precision")
-    for i, s in enumerate(config.telemetry.sinks):
-        ref(Kind.METRIC_SINK, s, f"telemetry.sinks[{i}]")
-    if config.model.family is not None:
-        check(Kind.FAMILY, config.model.family, "model.family", {})
-    problems.extend(_parallel_problems(config, manager))
-    problems.extend(_check_run_shape(config))
-    from miles.core.routing import check_replay
-
-    replay_problem = check_replay(manager, config.model.path, config.moe.routing_replay)
-    if replay_problem:
-        problems.append(replay_problem)
-    from miles.core.family import notices_for
-
-    notices = notices_for(manager, config.model.path, config.model.family)
-    problems.extend(f"model.path: {n.message}" for n in notices if n.fatal)
-    if problems:
-        raise ConfigError(problems)
-
-
-def _check_run_shape(config: RunConfig) -> list[str]:
-    problems = []
-    if not config.model.path:
-        problems.append("model.path: required (a local Hugging Face checkpoint dir or a hub id)")
-    if not config.data.path:
-        problems.append("data.path: required (a .jsonl or .parquet file, or a hub dataset id)")
-    if config.steps < 0:
-        problems.append("steps: must be >= 0")
-    algo = config.algorithm
-    if config.mode != "sync" and algo.correction is None and algo.old_logprobs != "rollout":
-        problems.append(
-            f"mode: {config.mode!r} trains on samples generated by older weights, so it needs a "
-            "train-inference correction: set algorithm.correction (tis, mis or icepop) or "
-            "algorithm.old_logprobs: rollout"
-        )
-    per_step = config.rollout.prompts_per_step
-    if config.mode == "async" and 0 < config.async_.buffer_size < per_step:
-        problems.append(
-            f"async.buffer_size: {config.async_.buffer_size} groups cannot hold one step's "
-            f"{per_step} (rollout.prompts_per_step); raise it, or 0 for the default"
-        )
-    if config.placement == "colocated":
-        if config.mode != "sync":
-            problems.append(
-                f"placement: colocated engines give the GPUs to the trainer while it trains, so "
-                f"rollout cannot overlap training as mode {config.mode!r} needs; use "
-                "placement: disaggregated, or mode: sync"
-            )
-        if config.rollout.gpus_per_engine != 1 or config.rollout.engines > config.train.world_size:
-            problems.append(
-                "placement: colocated puts engine i on train rank i's GPU: it needs "
-                "rollout.gpus_per_engine: 1 and rollout.engines <= train.world_size "
-                f"(got {config.rollout.gpus_per_engine} and {config.rollout.engines} > "
-                f"{config.train.world_size})"
-            )
-    if config.lora is not None:
-        problems.extend(_lora_problems(config))
-    if config.warmstart.steps and not config.warmstart.data:
-        problems.append("warmstart.data: required when warmstart.steps > 0")
-    for path in (config.data.path, config.warmstart.data, config.eval.data):
-        if path and _looks_local(path) and not Path(path).exists():
-            problems.append(f"{path}: file not found")
-    return problems
-
-
-def _parallel_problems(config: RunConfig, manager: Any) -> list[str]:
-    """train.parallel sizes the train backend cannot do, or that do not divide the ranks."""
-    parallel, train = config.train.parallel, config.train
-    try:
-        capabilities = manager.get(Kind.TRAIN_BACKEND, train.backend).spec.capabilities
-    except LookupError:
-        return []  # reported already
-    problems = []
-    for name in ("tensor", "pipeline", "expert", "context"):
-        size = getattr(parallel, name)
-        if size > 1 and f"{name}_parallel" not in capabilities:
-            problems.append(
-                f"train.parallel.{name}: train backend {train.backend!r} has no {name} "
-                f"parallelism (it shards the model over data-parallel ranks); set it to 1, or use "
-                "a train backend that has it (miles-megatron)"
-            )
-    if train.world_size % parallel.model_parallel:
-        problems.append(
-            f"train.world_size: {train.world_size} is not a multiple of tensor x pipeline x "
-            f"context ({parallel.model_parallel})"
-        )
-    return problems
-
-
-def _lora_problems(config: RunConfig) -> list[str]:
-    """LoRA targets that match no module of the model (read on the meta device: no weights)."""
-    assert config.lora is not None
-    if not config.model.path or not Path(config.model.path, "config.json").is_file():
-        return []
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.model.path))  # type: ignore[no-untyped-call]
-    linear = sorted(
-        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    )
-    problems: list[str] = []
-    unknown = [t for t in config.lora.targets if t not in linear]
-    if not unknown:
-        return problems
-    return [
-        *problems,
-        f"lora.targets: {', '.join(map(repr, unknown))} match no linear module of "
-        f"{type(model).__name__}; available: {', '.join(linear)}",
-    ]
-
-
-def _generic_keys(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "options")
-
-
-def _looks_local(path: str) -> bool:
-    return path.startswith(("/", "./", "../")) or path.endswith((".jsonl", ".json", ".parquet"))
-
-
 __all__ = [
     "ComponentRef",
     "ConfigError",
+    "LoRAConfig",
     "RunConfig",
     "apply_overrides",
     "closest",
     "load_yaml",
     "parse",
-    "validate",
 ]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from miles.core.components import Kind
+from miles.core.components import ComponentSpec, Kind
 from miles.core.config import ComponentRef
-from miles.core.configtools import build
+from miles.core.configtools import ConfigError, build
 from miles.core.plugins import get_plugin_manager
 
 
@@ -27,3 +28,29 @@ def build_component(
     if spec.config is not None:
         return spec.factory(build(spec.config, options, path or str(kind)), *args, **kwargs)
     return spec.factory(*args, **kwargs)
+
+
+def built_options(spec: ComponentSpec, options: dict[str, Any]) -> Any:
+    """The component's config instance from `options` (keys it does not know left out, defaults
+    where they are missing), or None for a component without one. ConfigError if they do not
+    parse."""
+    if spec.config is None:
+        return None
+    own = {f.name for f in dataclasses.fields(spec.config)}
+    return build(spec.config, {k: v for k, v in options.items() if k in own}, str(spec.kind))
+
+
+def options_with_defaults(kind: Kind, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A component's options with its config's defaults filled in (as given when the component
+    is not installed here, or its options do not parse)."""
+    try:
+        spec = get_plugin_manager().get(kind, name).spec
+    except LookupError:
+        return dict(options)
+    try:
+        built = built_options(spec, options)
+    except ConfigError:
+        return dict(options)
+    if built is None:
+        return dict(options)
+    return {f.name: getattr(built, f.name) for f in dataclasses.fields(built)}

@@ -11,19 +11,32 @@ A family (component kind `family`, found by the checkpoint's `model_type`) cover
 - **a tiny twin**: the same architecture with tiny dimensions, for tests and laptops.
 
 Everything here works on a checkpoint's `config.json` as a plain dict, so it is torch-free:
-`miles recipes plan` sizes a trillion-parameter model without building it.
+`miles recipes plan` sizes a trillion-parameter model without building it. Finding the family of
+a checkpoint is `miles.core.families`; loading one (transformers) is the train and rollout
+backends' business (miles-torch's `load_causal_lm`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from miles.core.routing import RouterAdapter
+from typing import Any, Protocol
 
 Config = Mapping[str, Any]  # a config.json, as loaded by json.load
+
+
+class RouterAdapter(Protocol):
+    """Where an MoE architecture's routers are and how they weigh experts: what routing replay
+    needs (miles-torch records and replays with forward hooks on these routers). Tensors are
+    torch tensors; the contract stays torch-free."""
+
+    def routers(self, model: Any) -> list[Any]:
+        """The router module of every MoE layer, in layer order (dense layers skipped)."""
+        ...
+
+    def gate_weights(self, router: Any, logits: Any, indices: Any) -> Any:
+        """The gate weights the router would give `indices` ([tokens, top_k]) from `logits`."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -144,145 +157,3 @@ def quantization_config(config: Config) -> Mapping[str, Any] | None:
         if isinstance(quant, Mapping):
             return quant
     return None
-
-
-def dequantizing(config: Config | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """from_pretrained kwargs that load a pre-quantized checkpoint (fp8 blocks, compressed-tensors)
-    as plain weights. Miles trains and syncs full-precision weights; on a GPU that can run the
-    format, transformers would otherwise build quantized modules that cannot be trained. A
-    quantization_config the caller passed stays; families' notices say what a format needs."""
-    quant = quantization_config(config) if config is not None else None
-    if quant is None or quant.get("dequantize") or "quantization_config" in kwargs:
-        return kwargs
-    method = quant.get("quant_method")
-    if method == "fp8":
-        from transformers import FineGrainedFP8Config
-
-        return {**kwargs, "quantization_config": FineGrainedFP8Config(dequantize=True)}
-    if method == "compressed-tensors":
-        from transformers import CompressedTensorsConfig
-
-        return {**kwargs, "quantization_config": CompressedTensorsConfig(dequantize=True)}
-    return kwargs
-
-
-def family_for(manager: Any, model_type: str) -> ModelFamily | None:
-    """The installed family that covers `model_type`, if any."""
-    from miles.core.components import Kind
-
-    for name in manager.registry.names(Kind.FAMILY):
-        family = manager.get(Kind.FAMILY, name).spec.factory()
-        if model_type in family.model_types:
-            return family  # type: ignore[no-any-return]
-    return None
-
-
-def family_of_config(manager: Any, config: Config) -> ModelFamily | None:
-    """The family for a config.json: by its own model_type, else its text model's."""
-    for model_type in (config.get("model_type"), text_config(config).get("model_type")):
-        if model_type:
-            family = family_for(manager, str(model_type))
-            if family is not None:
-                return family
-    return None
-
-
-def read_config(model_path: str) -> dict[str, Any] | None:
-    """A local checkpoint's config.json; None for a hub id or a directory without one."""
-    import json
-    from pathlib import Path
-
-    file = Path(model_path) / "config.json"
-    if not file.is_file():
-        return None
-    data = json.loads(file.read_text())
-    return data if isinstance(data, dict) else None
-
-
-def model_config(manager: Any, model_path: str) -> tuple[dict[str, Any], ModelFamily | None] | None:
-    """(config.json, family) of a local checkpoint, or of a hub id some family knows; None if
-    neither."""
-    config = read_config(model_path)
-    if config is not None:
-        return config, family_of_config(manager, config)
-    from miles.core.components import Kind
-
-    for name in manager.registry.names(Kind.FAMILY):
-        family: ModelFamily = manager.get(Kind.FAMILY, name).spec.factory()
-        if model_path in family.checkpoints and family.config_for is not None:
-            known = family.config_for(model_path)
-            if known is not None:
-                return known, family
-    return None
-
-
-def loading_family(model_path: str) -> tuple[ModelFamily | None, dict[str, Any] | None]:
-    """(family, config.json) for loading `model_path` (a local checkpoint; a hub id gets its
-    config through transformers), after checking the family's notices: a fatal one raises
-    ValueError, the others are logged once per process."""
-    from miles.core.plugins import get_plugin_manager
-
-    config = read_config(model_path)
-    if config is None:
-        try:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(model_path).to_dict()
-        except (OSError, ValueError):
-            return None, None
-    family = family_of_config(get_plugin_manager(), config)
-    if family is None:
-        return None, config
-    for notice in family.notices(config):
-        if notice.fatal:
-            raise ValueError(f"model family {family.name!r}: {notice.message}")
-        _say_once(family.name, notice.message)
-    return family, config
-
-
-_said: set[str] = set()
-
-
-def _say_once(family: str, message: str) -> None:
-    if message in _said:
-        return
-    _said.add(message)
-    import structlog
-
-    structlog.get_logger(__name__).warning("model family notice", family=family, notice=message)
-
-
-def load_tokenizer(model_path: str) -> Any:
-    """The checkpoint's tokenizer; when it ships no chat template, its family's."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if getattr(tokenizer, "chat_template", None) is None:
-        config = read_config(model_path)
-        if config is not None:
-            from miles.core.plugins import get_plugin_manager
-
-            family = family_of_config(get_plugin_manager(), config)
-            if family is not None and family.chat_template is not None:
-                tokenizer.chat_template = family.chat_template
-    return tokenizer
-
-
-def notices_for(manager: Any, model_path: str, family_name: str | None = None) -> list[Notice]:
-    """The notices of a local checkpoint's family (`family_name` overrides detection); [] for
-    a hub id or a model no family covers."""
-    config = read_config(model_path) if model_path else None
-    if config is None:
-        return []
-    if family_name is not None:
-        from miles.core.components import Kind
-
-        try:
-            family: ModelFamily | None = manager.get(Kind.FAMILY, family_name).spec.factory()
-        except LookupError:
-            return []  # validate says so
-    else:
-        family = family_of_config(manager, config)
-    if family is None:
-        return []
-    return [Notice(f"{family.name}: {n.message}", n.fatal) for n in family.notices(config)]

@@ -8,6 +8,7 @@ Sections:
 * **Registration** hooks return typed :class:`~miles.core.components.ComponentSpec` lists, one hook
   per kind. Two distributions registering the same kind and name is an error naming both.
 * **Pick-one** hooks are ``firstresult``: the first plugin that answers wins.
+* **Commands** add subcommands to the ``miles`` command line.
 * **Lifecycle** hooks fan out to every plugin, for metrics and diagnostics. ``metrics`` dicts are
   mutable: a plugin may add keys, and they are logged with the step.
 """
@@ -17,9 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import click
 import pluggy
 
 from miles.core.components import ComponentSpec, Kind
+from miles.core.protocols import Tokenizer
 from miles.core.types import RunInfo, Sample
 
 PROJECT = "miles"
@@ -34,14 +37,18 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def miles_register_rollout_backends() -> Iterable[ComponentSpec]:
-    """Rollout engines (``rollout.backend``): factory(model_path, config, **engine_kwargs) builds an
-    object satisfying :class:`miles.core.protocols.RolloutEngine`."""
+    """Rollout engines (``rollout.backend``): factory(config, setup) builds one engine satisfying
+    :class:`miles.core.protocols.RolloutEngine` from its options and a
+    :class:`~miles.core.protocols.RolloutSetup`. The spec declares capabilities and a rollout
+    memory model."""
 
 
 @hookspec
 def miles_register_train_backends() -> Iterable[ComponentSpec]:
-    """Train backends (``train.backend``): factory(config, model_path, rank, world_size, ...) builds
-    one rank satisfying :class:`miles.core.protocols.TrainBackend`."""
+    """Train backends (``train.backend``): factory(config, setup) builds one rank satisfying
+    :class:`miles.core.protocols.TrainBackend` from its options and a
+    :class:`~miles.core.protocols.TrainSetup`. The spec declares capabilities (parallelism, critic,
+    colocation...) and a train memory model."""
 
 
 @hookspec
@@ -90,8 +97,10 @@ def miles_register_corrections() -> Iterable[ComponentSpec]:
 
 @hookspec
 def miles_register_precisions() -> Iterable[ComponentSpec]:
-    """Precisions (``precision``, and ``lora``): one object converts the training model and the
-    weights sent to rollout engines alike."""
+    """Precisions (``precision``): factory() builds a :class:`miles.core.protocols.Precision`, one
+    object that converts the training model and the weights sent to rollout engines alike. The
+    spec declares a precision memory model (bytes per element), and ``quantized`` for a weight
+    format of its own."""
 
 
 @hookspec
@@ -140,8 +149,17 @@ def miles_resolve_component(kind: Kind, name: str) -> ComponentSpec | None:
 
 
 @hookspec(firstresult=True)
-def miles_default_component(kind: Kind) -> str | None:
-    """The component name to use when the config leaves this kind unset. Return None to pass."""
+def miles_load_tokenizer(model_path: str) -> Tokenizer | None:
+    """The tokenizer of a checkpoint (a :class:`miles.core.protocols.Tokenizer`), with a chat
+    template. Return None to pass."""
+
+
+# ── Commands ─────────────────────────────────────────────────────────────────────────────────────
+
+
+@hookspec
+def miles_register_commands(cli: click.Group) -> None:
+    """Adds subcommands to the ``miles`` command line (``cli.add_command(...)``)."""
 
 
 # ── Lifecycle ────────────────────────────────────────────────────────────────────────────────────

@@ -23,6 +23,7 @@ from typing import Any, Literal, cast
 import pluggy
 import structlog
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
@@ -142,16 +143,16 @@ class PluginManager:
             if (allow is not None and name not in allow) or (deny is not None and name in deny):
                 record.status = "disabled"
                 return
-        if record.core_range is not None:
-            from packaging.specifiers import SpecifierSet
-
-            if not SpecifierSet(record.core_range).contains(self.core_version, prereleases=True):
-                record.status = "incompatible"
-                record.error = (
-                    f"requires miles-core{record.core_range}, "
-                    f"but miles-core {self.core_version} is installed"
-                )
-                return
+        core_range = record.core_range
+        if core_range and not SpecifierSet(core_range).contains(
+            self.core_version, prereleases=True
+        ):
+            record.status = "incompatible"
+            record.error = (
+                f"requires miles-core{record.core_range}, "
+                f"but miles-core {self.core_version} is installed"
+            )
+            return
 
         registered: list[tuple[str, object]] = []
         specs: list[ComponentSpec] = []
@@ -234,13 +235,24 @@ class PluginManager:
                     error=_short_error(exc),
                 )
 
+    def require_no_conflicts(self) -> None:
+        """Raises ComponentConflictError when two distributions registered one name."""
+        if self.conflicts:
+            raise ComponentConflictError("; ".join(self.conflicts))
+
+    def has_impls(self, hook_name: str) -> bool:
+        """Whether any plugin implements this hook (so callers can skip costly arguments)."""
+        return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
+
 
 _manager: PluginManager | None = None
 
 
 def get_plugin_manager() -> PluginManager:
-    """The process-wide plugin manager, loaded (strictly) on first use."""
+    """The process-wide plugin manager, loaded on first use: the one way library code reaches
+    the plugins. A name registered twice is kept in `conflicts` (shown by `miles plugins list`);
+    commands that use components call `require_no_conflicts()` first."""
     global _manager
     if _manager is None:
-        _manager = PluginManager().load()
+        _manager = PluginManager().load(strict=False)
     return _manager

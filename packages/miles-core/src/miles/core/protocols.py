@@ -1,63 +1,29 @@
-"""The small protocols that backends and algorithm plugins implement.
+"""The protocols that algorithm and rollout components implement: every call the runtime makes,
+typed (the backends' are in `miles.core.backends`).
 
-Each is a handful of methods. Core code talks only to these, so a native torch engine, SGLang, an
-FSDP2 trainer or Megatron fit behind the same calls.
+Each is a handful of methods. Optional abilities are declared as `Capability` members in the
+component's spec, never probed with hasattr: a component that declares one implements the
+matching extended protocol here (e.g. `oversamples` -> `OversamplingFilter`). Tensors are torch
+tensors, named only for type checkers: miles-core itself never imports torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from miles.core.types import GenerateRequest, GenerateResult, PackedBatch, Sample, SamplingParams
+import numpy as np
+import numpy.typing as npt
+
+from miles.core.types import GenerateRequest, GenerateResult, Sample, SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
+F32 = npt.NDArray[np.float32]
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """Generates responses for token-id prompts and takes new weights from the trainer."""
 
-    @property
-    def weight_version(self) -> int: ...
-
-    def generate(self, requests: list[GenerateRequest]) -> Iterator[GenerateResult]:
-        """Yields each result as soon as its sequence finishes (a stream, not a batch)."""
-        ...
-
-    def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None
-    ) -> None:
-        """Copies the given tensors into the model (Hugging Face names) and sets the version
-        (None: keeps it, for one part of a load that arrives in several)."""
-        ...
-
-    def set_weight_version(self, version: int) -> None: ...
-
-    def weights_checksum(self) -> str: ...
-
-    def pause(self) -> None:
-        """A running `generate` stops at its next step and yields every unfinished request with
-        finish_reason "abort" and its tokens so far."""
-        ...
-
-    def resume(self) -> None: ...
-
-    def release_memory(self) -> None: ...
-
-    def resume_memory(self) -> None: ...
-
-    def health(self) -> dict[str, Any]:
-        """At least {"ok": bool, "paused": bool}."""
-        ...
-
-    def get_rng_state(self) -> str:
-        """The sampling RNG's state, as text (it goes into checkpoints' JSON)."""
-        ...
-
-    def set_rng_state(self, state: str) -> None: ...
+# ── algorithm ────────────────────────────────────────────────────────────────────────────────────
 
 
 @dataclass
@@ -94,22 +60,100 @@ class PolicyLoss(Protocol):
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
-class TrainBackend(Protocol):
-    """One rank of a training group."""
+class AdvantageEstimator(Protocol):
+    """Per-sample rewards of the whole step to per-sample advantages."""
 
-    def logprobs(self, batch: PackedBatch) -> dict[str, Any]: ...
+    def __call__(self, rewards: F32, group_ids: npt.NDArray[np.int64]) -> F32: ...
 
-    def train_step(self, batch: PackedBatch, loss: PolicyLoss) -> dict[str, float]: ...
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+class TokenAdvantageEstimator(Protocol):
+    """An estimator that declares `Capability.NEEDS_VALUES`: per-token advantages and return
+    targets from a critic's values."""
 
-    def save(self, path: str) -> None: ...
+    def token_advantages(
+        self,
+        rewards: F32,
+        values: F32,
+        offsets: npt.NDArray[np.int64],
+        mask: F32,
+        token_penalty: npt.NDArray[np.floating[Any]] | None = None,
+    ) -> tuple[F32, F32]: ...
 
-    def load(self, path: str) -> None: ...
 
-    def sleep(self) -> None: ...
+class KLEstimator(Protocol):
+    """Per-token KL(pi || pi_ref) from (logprobs, ref_logprobs): torch tensors inside a loss
+    (differentiable), numpy arrays for a reward penalty; the result has the input's type."""
 
-    def wake(self) -> None: ...
+    def __call__(self, logprobs: Any, ref_logprobs: Any) -> Any: ...
+
+
+class Correction(Protocol):
+    """A train-inference mismatch correction over numpy arrays [tokens]: (importance weights,
+    keep mask, scalar metrics) from trainer and rollout logprobs."""
+
+    def __call__(
+        self,
+        old_logprobs: F32,
+        rollout_logprobs: F32,
+        loss_mask: F32,
+        seq_index: npt.NDArray[np.int64],
+    ) -> tuple[F32, F32, dict[str, float]]: ...
+
+
+# ── rollout side ─────────────────────────────────────────────────────────────────────────────────
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the rollout side uses (a plugin loads it through
+    the `miles_load_tokenizer` hook)."""
+
+    eos_token_id: int | None
+
+    def __call__(self, texts: list[str], *, add_special_tokens: bool) -> Any:
+        """{"input_ids": list of token-id lists}."""
+        ...
+
+    def apply_chat_template(
+        self, conversations: list[list[dict[str, str]]], **kwargs: Any
+    ) -> Any: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class Reward(Protocol):
+    """Scores one finished sample from its decoded response."""
+
+    async def __call__(self, response: str, sample: Sample) -> float: ...
+
+
+class GroupReward(Protocol):
+    """A reward that declares `Capability.SCORES_GROUPS`: one call per group (batched models)."""
+
+    async def score_group(self, responses: list[str], samples: list[Sample]) -> list[float]: ...
+
+
+class SampleFilter(Protocol):
+    """Keeps some samples of one group (none: the group is dropped)."""
+
+    def __call__(self, group: list[Sample]) -> list[Sample]: ...
+
+
+class OversamplingFilter(SampleFilter, Protocol):
+    """A filter that declares `Capability.OVERSAMPLES`: it may drop whole groups, and the step
+    draws more prompts to refill them, up to this many extra rounds."""
+
+    @property
+    def oversample_rounds(self) -> int: ...
+
+
+class MetricSink(Protocol):
+    """Receives each step's metrics (factory(run_dir) builds it)."""
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -129,7 +173,7 @@ class RolloutContext(Protocol):
     def sampling(self) -> SamplingParams: ...
 
     @property
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> Tokenizer: ...
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Results in request order. Requests from concurrent calls are batched together."""

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from miles.core.components import Component
-    from miles.core.config import RunConfig
+import yaml
+
+from miles.core.components import Component, Kind
+from miles.core.config import ComponentRef, ConfigError, RunConfig, apply_overrides, parse
+from miles.core.factory import options_with_defaults
+from miles.core.memory import layout_of
 
 
 @dataclass
@@ -18,25 +22,24 @@ class Recipe:
 
     `prepare(assets_dir, config)` may build what the config points at (a tiny model, generated
     data) and returns dotted-key overrides such as ``{"model.path": ...}``; `prepares` names those
-    keys. It must be idempotent: a resumed run calls it again on the same directory.
+    keys. It must be idempotent: a resumed run calls it again on the same directory. `requires`
+    says which package provides a component the recipe names that may not be installed (e.g.
+    ``{"megatron": "the miles-megatron package"}``), for the error a user sees without it.
     """
 
     config: dict[str, Any]
     prepare: Callable[[Path, RunConfig], dict[str, Any]] | None = None
     description: str = ""
     prepares: tuple[str, ...] = ()
+    requires: dict[str, str] = field(default_factory=dict)
 
 
 def describe(component: Component) -> dict[str, Any]:
     """A recipe's row in `miles recipes list`: its model and how many GPUs its layout takes."""
-    from miles.core.config import ConfigError, parse
-    from miles.core.planner import layout_of
-
     recipe: Recipe = component.spec.factory()
     model = recipe.config.get("model", {}).get("path") or "(made at run time)"
     try:
-        config = parse(dict(recipe.config))
-        gpus: int | str = layout_of(config).total_gpus
+        gpus: int | str = layout_of(parse(dict(recipe.config))).total_gpus
     except ConfigError:
         gpus = "?"
     return {
@@ -51,14 +54,7 @@ def describe(component: Component) -> dict[str, Any]:
 def resolved_yaml(recipe: Recipe, overrides: list[str]) -> str:
     """The recipe's config with every default filled in, as YAML (what `miles run` would save,
     before the recipe's own `prepare` fills in what it makes)."""
-    import yaml
-
-    from miles.core.config import apply_overrides, parse
-    from miles.core.plugins import get_plugin_manager
-
-    config = with_defaults(
-        parse(apply_overrides(dict(recipe.config), overrides)), get_plugin_manager()
-    )
+    config = with_defaults(parse(apply_overrides(dict(recipe.config), overrides)))
     text = yaml.safe_dump(config.to_dict(), sort_keys=False)
     if recipe.prepares:
         made = ", ".join(recipe.prepares)
@@ -66,22 +62,16 @@ def resolved_yaml(recipe: Recipe, overrides: list[str]) -> str:
     return text
 
 
-def with_defaults(config: RunConfig, manager: Any) -> RunConfig:
+def with_defaults(config: RunConfig) -> RunConfig:
     """`config` with each named component's options completed by the defaults of its own config
     section (left as they are for a component not installed here). Backend options stay as
-    given: the run derives some of them (the engine dtype from `precision`, routing from `moe`),
-    so pinning their defaults here would override that."""
-    import dataclasses
+    given: the run derives some of them (the engine dtype from `precision`), so pinning their
+    defaults here would override that."""
 
-    from miles.core.components import Kind
-    from miles.core.planner import backend_options
-
-    def fill(kind: Kind, ref: Any) -> Any:
+    def fill(kind: Kind, ref: ComponentRef | None) -> Any:
         if ref is None:
             return None
-        return dataclasses.replace(
-            ref, options=backend_options(manager, kind, ref.name, ref.options)
-        )
+        return dataclasses.replace(ref, options=options_with_defaults(kind, ref.name, ref.options))
 
     algo = config.algorithm
     return dataclasses.replace(

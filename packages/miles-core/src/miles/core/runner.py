@@ -15,18 +15,19 @@ import click
 import structlog
 import yaml
 
-from miles.core.components import ComponentNotFoundError, Kind
-from miles.core.config import (
-    ConfigError,
-    RunConfig,
-    apply_overrides,
-    load_yaml,
-    parse,
-    validate,
-)
+from miles.core.components import ComponentConflictError, ComponentNotFoundError, Kind
+from miles.core.config import ConfigError, RunConfig, apply_overrides, load_yaml, parse
+from miles.core.families import notices_for
+from miles.core.gpu_memory import local_gpu_memory_gb
+from miles.core.logsetup import configure_logging
+from miles.core.observability import configure_tracing, shutdown_tracing
+from miles.core.plan_table import format_plan
+from miles.core.planner import PlanError, UnsizedModel, plan
 from miles.core.plugins import get_plugin_manager
 from miles.core.recipe import Recipe
 from miles.core.rundir import default_run_dir, write_config, write_manifest
+from miles.core.runtime.controller import Controller
+from miles.core.validation import validate
 
 log = structlog.get_logger(__name__)
 
@@ -85,10 +86,8 @@ def resolve_config(request: RunRequest) -> tuple[RunConfig, Path, Recipe | None]
         data = apply_overrides(data, [f"{k}={_yaml_scalar(v)}" for k, v in prepared.items()])
         data = apply_overrides(data, request.overrides)
         config = parse(data)
-    validate(config, get_plugin_manager())
-    from miles.core.family import notices_for
-
-    for notice in notices_for(get_plugin_manager(), config.model.path, config.model.family):
+    validate(config, recipe.requires if recipe is not None else None)
+    for notice in notices_for(config.model.path, config.model.family):
         log.warning("model family notice", notice=notice.message)
     check_memory(config)
     return config, run_dir, recipe
@@ -99,13 +98,11 @@ def check_memory(config: RunConfig) -> None:
     GPU memory is known (planner.gpu_mem_gb, or this machine's GPU) and the model can be sized."""
     if not config.planner.check:
         return
-    from miles.core.planner import PlanError, UnsizedModel, format_plan, local_gpu_memory_gb, plan
-
     gpu_mem = config.planner.gpu_mem_gb or local_gpu_memory_gb()
     if gpu_mem is None:
         return  # a CPU run
     try:
-        result = plan(config, get_plugin_manager(), gpu_mem_gb=gpu_mem)
+        result = plan(config, gpu_mem_gb=gpu_mem)
     except UnsizedModel as exc:
         log.info("memory plan skipped", reason=str(exc))
         return
@@ -135,14 +132,11 @@ def run_from_cli(request: RunRequest) -> int:
         # the mode once, on import: set it before anything imports ray.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     try:
+        get_plugin_manager().require_no_conflicts()
         config, run_dir, _ = resolve_config(request)
-    except ConfigError as exc:
+    except (ConfigError, ComponentConflictError) as exc:
         click.secho(f"error: {exc}", fg="red", err=True)
         return 2
-
-    from miles.core.logsetup import configure_logging
-    from miles.core.observability import configure_tracing, shutdown_tracing
-    from miles.core.runtime.controller import Controller
 
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(run_dir, config.to_dict())

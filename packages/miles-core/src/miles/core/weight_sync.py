@@ -1,21 +1,43 @@
-"""Weight sync: trainer rank 0 broadcasts named tensors to every rollout engine, in buckets.
+"""The weight-sync protocol: which tensors move from the trainer to the engines, in which buckets.
 
-Both sides agree on a `SyncPlan` (names, shapes, dtypes, bucket boundaries) once, over Ray. Each
-sync then moves only raw bytes through a `torch.distributed` process group of its own (gloo on CPU,
-NCCL on GPU) whose rank 0 is the trainer and ranks 1..N are the engines. Large flat buckets keep the
-number of collectives small; the engine bumps its weight version, and `checksum` lets the
-controller prove engine weights equal the trainer's.
+Both sides agree on a `SyncPlan` (names, shapes, dtypes, bucket boundaries) once, over Ray; each
+sync then moves only raw bytes, bucket by bucket, in plan order: a broadcast over a process group
+of its own (rank 0 the trainer, ranks 1..N the engines), or, colocated, one bucket at a time
+handed over in place. Large flat buckets keep the number of transfers small. After a sync the
+engines hold a new weight version, and a checksum on both sides proves the weights equal.
+
+This module is the contract only (torch-free); the transports live with the backends
+(miles-torch's `miles.torch.sync`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    import torch
+# Bytes per element of the dtypes weights travel in (torch's names).
+DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e8m0fnu": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"weight sync: no element size known for dtype {dtype!r}") from None
 
 
 @dataclass(frozen=True)
@@ -30,6 +52,10 @@ class TensorMeta:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def num_bytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -48,25 +74,17 @@ class SyncPlan:
 
     @property
     def num_bytes(self) -> int:
-        import torch
-
-        return sum(b.numel * getattr(torch, b.dtype).itemsize for b in self.buckets)
-
-
-def meta_of(name: str, tensor: torch.Tensor) -> TensorMeta:
-    return TensorMeta(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+        return sum(b.numel * dtype_bytes(b.dtype) for b in self.buckets)
 
 
 def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> SyncPlan:
     """Consecutive tensors of one dtype share a bucket up to `bucket_bytes`; order is kept, and a
     tensor larger than the budget gets a bucket of its own."""
-    import torch
-
     buckets: list[Bucket] = []
     current: list[TensorMeta] = []
     used = 0
     for meta in metas:
-        size = meta.numel * getattr(torch, meta.dtype).itemsize
+        size = meta.num_bytes
         if current and (meta.dtype != current[0].dtype or used + size > bucket_bytes):
             buckets.append(Bucket(current[0].dtype, tuple(current)))
             current, used = [], 0
@@ -75,96 +93,3 @@ def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> SyncPlan:
     if current:
         buckets.append(Bucket(current[0].dtype, tuple(current)))
     return SyncPlan(tuple(buckets))
-
-
-class SyncGroup:
-    """A process group of its own, independent of the trainers' default group."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        world_size: int,
-        rank: int,
-        device: str = "cpu",
-        timeout_s: float = 600.0,
-    ) -> None:
-        import torch
-        import torch.distributed as dist
-
-        self.rank, self.world_size = rank, world_size
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            # Inside a Ray GPU actor only its own GPUs are visible: the current one is ours.
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)  # type: ignore[attr-defined]
-        self._pg: Any
-        if self.device.type == "cuda":
-            self._pg = dist.ProcessGroupNCCL(
-                store, rank, world_size, dist.ProcessGroupNCCL.Options()
-            )
-        else:
-            self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-
-    def close(self) -> None:
-        """Drops the group (before a new one replaces it, e.g. after an engine restart)."""
-        import contextlib
-
-        with contextlib.suppress(Exception):  # a group whose peer died may not shut down cleanly
-            if hasattr(self._pg, "shutdown"):
-                self._pg.shutdown()
-        self._pg = None
-
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self._pg.broadcast([tensor], opts).wait()
-
-    def send(self, plan: SyncPlan, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Rank 0: broadcasts the tensors, which must arrive in plan order. Returns bytes sent."""
-        import torch
-
-        it = iter(named_tensors)
-        sent = 0
-        for bucket in plan.buckets:
-            parts = []
-            for meta in bucket.tensors:
-                name, tensor = next(it)
-                if name != meta.name or tuple(tensor.shape) != meta.shape:
-                    raise RuntimeError(
-                        f"weight sync: expected {meta.name} {meta.shape}, got {name} "
-                        f"{tuple(tensor.shape)}; the model changed after the sync plan was made"
-                    )
-                part = tensor.detach().to(self.device, getattr(torch, meta.dtype)).reshape(-1)
-                parts.append(_wire(part))
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-            self._broadcast(flat)
-            sent += flat.numel() * flat.element_size()
-        if next(it, None) is not None:
-            raise RuntimeError("weight sync: the trainer has more tensors than the sync plan")
-        return sent
-
-    def receive(self, plan: SyncPlan) -> Iterator[tuple[str, torch.Tensor]]:
-        """Ranks 1..N: yields (name, tensor) views into each received bucket, in plan order."""
-        import torch
-
-        for bucket in plan.buckets:
-            flat = torch.empty(bucket.numel, dtype=getattr(torch, bucket.dtype), device=self.device)
-            self._broadcast(_wire(flat))  # fills `flat` (a byte view shares its memory)
-            offset = 0
-            for meta in bucket.tensors:
-                yield meta.name, flat[offset : offset + meta.numel].view(meta.shape)
-                offset += meta.numel
-
-
-def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """What goes over the process group: 1-byte float formats (fp8) travel as their bytes,
-    because not every backend (gloo) reduces or broadcasts them."""
-    import torch
-
-    if tensor.is_floating_point() and tensor.element_size() == 1:
-        return tensor.view(torch.uint8)
-    return tensor

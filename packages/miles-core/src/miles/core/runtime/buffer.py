@@ -14,7 +14,9 @@ trainer takes batch s, trains, and the new weights go to the engines. The policy
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -104,6 +106,110 @@ class StepBatch:
             extra_rounds=int(data["extra_rounds"]),
             seconds=float(data["seconds"]),
         )
+
+
+class BatchBuffer:
+    """Step batches by step, in flight (a task) or finished, and when the next may start.
+
+    `start(step)` draws the step's prompts at once (so the data order does not depend on how
+    batches in flight interleave) and returns the coroutine that produces its batch. `check` is
+    called while waiting, to fail fast (an engine past its restart budget).
+    """
+
+    def __init__(
+        self,
+        policy: BufferPolicy,
+        *,
+        steps: int,
+        groups_per_step: int,
+        start: Callable[[int], Coroutine[Any, Any, StepBatch]],
+        check: Callable[[], None],
+    ) -> None:
+        self.policy, self.steps, self.groups_per_step = policy, steps, groups_per_step
+        self._start, self._check = start, check
+        self._batches: dict[int, asyncio.Future[StepBatch]] = {}
+        self._restored: dict[int, StepBatch] = {}  # finished batches read from a checkpoint
+        self.next_step = 0  # the next batch to start
+        self.synced_through = -1  # the engines hold the weights made by this step
+        self.version = 0  # ... which have this weight version
+        self._started = False  # no batch before `begin`
+        self._open = True  # colocated runs close generation while the trainer holds the GPU
+        self._frozen = 0  # > 0 while a checkpoint waits for the batches in flight
+
+    @property
+    def groups_held(self) -> int:
+        return self.groups_per_step * len(self._batches)
+
+    def begin(self, first_step: int, version: int) -> None:
+        """Batches begin at `first_step`, with the engines at weight `version`."""
+        self.synced_through, self.version = first_step - 1, version
+        self.next_step = max(self.next_step, first_step)
+        for step, batch in sorted(self._restored.items()):
+            future: asyncio.Future[StepBatch] = asyncio.get_running_loop().create_future()
+            future.set_result(batch)
+            self._batches[step] = future
+        self._restored = {}
+        self._started = True
+        self.fill()
+
+    def fill(self) -> None:
+        """Starts every batch the policy allows now."""
+        while self._started and self._open and not self._frozen and self.next_step < self.steps:
+            step = self.next_step
+            if not self.policy.may_start(
+                step, self.synced_through, self.groups_held, self.groups_per_step
+            ):
+                return
+            self.next_step += 1
+            self._batches[step] = asyncio.ensure_future(self._start(step))
+
+    async def take(self, step: int) -> StepBatch:
+        """Batch `step`, once finished."""
+        self.fill()
+        if step not in self._batches:
+            raise RuntimeError(
+                f"rollout batch {step} has not started (the engines hold the weights of step "
+                f"{self.synced_through}); the controller and the rollout manager disagree"
+            )
+        batch = await self._wait(self._batches[step])
+        del self._batches[step]
+        return batch
+
+    async def finish_in_flight(self) -> None:
+        for future in list(self._batches.values()):
+            await self._wait(future)
+
+    def weights_updated(self, version: int, synced_through: int) -> None:
+        self.version, self.synced_through = version, synced_through
+        self.fill()
+
+    async def close(self) -> None:
+        """No batch starts until `open`; returns when those in flight are done."""
+        self._open = False
+        await self.finish_in_flight()
+
+    def open(self) -> None:
+        self._open = True
+        self.fill()
+
+    async def snapshot(self) -> list[dict[str, Any]]:
+        """Every batch, finished first (none starts meanwhile), as JSON for a checkpoint."""
+        self._frozen += 1
+        try:
+            await self.finish_in_flight()
+            return [f.result().to_json() for f in self._batches.values()]
+        finally:
+            self._frozen -= 1
+
+    def restore(self, batches: list[dict[str, Any]]) -> None:
+        self._restored = {int(b["step"]): StepBatch.from_json(b) for b in batches}
+
+    async def _wait(self, future: asyncio.Future[StepBatch]) -> StepBatch:
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=1.0)
+            if done:
+                return future.result()
+            self._check()
 
 
 _ARRAYS = ("routing", "routing_weights")

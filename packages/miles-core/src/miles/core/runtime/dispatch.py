@@ -4,10 +4,12 @@ Rollout functions call `generate` one group at a time. Requests that arrive in t
 tick are flushed together, split evenly over the ready engines, and streamed back: each awaiting
 caller resumes as soon as its own results are in, not when the whole batch is done.
 
-Every request is accounted for until its result is delivered:
-- an engine that dies (actor error) or goes silent for `fault.request_timeout_s` is failed in
-  the pool (killed and restarted), and its unfinished requests go back in the queue for the
-  healthy engines;
+Which engines are ready is the engine group's call: it pushes `Routes` (the ready engines, whether
+requests must wait for a weight update, a fatal error), and the dispatcher reports the engines it
+sees fail. Every request is accounted for until its result is delivered:
+- an engine that dies (actor error) or goes silent for `fault.request_timeout_s` is reported to
+  the engine group (which kills and restarts it) and skipped from then on; its unfinished
+  requests go back in the queue for the healthy engines;
 - a request cut short by a weight update ("abort") goes back in the queue too, either to finish
   from where it stopped with the new weights (a partial rollout: each token keeps the version it
   was sampled with) or to start again from its prompt, as `async.on_weight_update` says.
@@ -18,18 +20,49 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from miles.core.runtime.engine_pool import EnginePool, EngineSlot
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from miles.core.runtime.engine_pool import EngineFailedError
 from miles.core.telemetry import carrier
 from miles.core.types import GenerateRequest, GenerateResult, token_versions
+
+
+@dataclass(frozen=True)
+class Route:
+    """One ready engine: its slot, the slot's generation (bumped by each restart) and handle."""
+
+    index: int
+    generation: int
+    handle: Any
+
+
+@dataclass(frozen=True)
+class Routes:
+    """What the engine group tells the dispatcher. Pushes may arrive out of order (an async
+    actor does not run calls in the order they were made): the highest `epoch` wins."""
+
+    epoch: int = 0
+    ready: tuple[Route, ...] = ()
+    held: bool = False  # a weight update is under way: requests wait
+    fatal: str | None = None  # an engine failed past its restart budget
+    restarts: int = 0  # engine restarts so far, for the run's metrics
+
+
+# (engine index, generation, reason): the engine group's business from there.
+FailureReport = Callable[[int, int, str], None]
 
 
 @dataclass
 class _Pending:
     request: GenerateRequest  # as the rollout function made it
     future: asyncio.Future[GenerateResult]
+    # The caller's trace context: a flush may run from another context (new routes arriving),
+    # and the engine's spans still belong under the rollout that asked.
+    trace: dict[str, str]
     # Tokens made before a weight update cut the request short (kept with on_weight_update:
     # continue), with their logprobs and weight versions.
     tokens: list[int] = field(default_factory=list)
@@ -51,17 +84,19 @@ class _Pending:
 class EngineDispatcher:
     def __init__(
         self,
-        pool: EnginePool,
+        report_failure: FailureReport,
         *,
         request_timeout_s: float,
         on_weight_update: Literal["continue", "requeue"] = "continue",
     ) -> None:
-        self.pool = pool
+        self.report_failure = report_failure
         self.request_timeout_s = request_timeout_s
         self.on_weight_update = on_weight_update
+        self.routes = Routes()
+        self._failed: set[tuple[int, int]] = set()  # (index, generation) seen failing here
+        self._inflight: dict[int, int] = {}  # requests on each engine, by index
         self._queue: list[_Pending] = []
         self._flush_scheduled = False
-        self._held = False
         self._running: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -73,28 +108,38 @@ class EngineDispatcher:
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         loop = asyncio.get_running_loop()
-        pending = [_Pending(r, loop.create_future()) for r in requests]
+        trace = carrier()
+        pending = [_Pending(r, loop.create_future(), trace) for r in requests]
         self._queue.extend(pending)
         self._schedule_flush()
         return list(await asyncio.gather(*(p.future for p in pending)))
 
-    # ── the weight update's side ─────────────────────────────────────────────────────────────────
+    # ── the engine group's side ──────────────────────────────────────────────────────────────────
 
-    def hold(self) -> None:
-        """New and requeued requests wait until `release`."""
-        self._held = True
-
-    def release(self) -> None:
-        self._held = False
+    def set_routes(self, routes: Routes) -> None:
+        """The engines to use from now on (held: none until released); older ones are ignored."""
+        if routes.epoch < self.routes.epoch:
+            return
+        self.routes = routes
+        self._failed = {
+            f for f in self._failed if any(f == (r.index, r.generation) for r in routes.ready)
+        }
         self._schedule_flush()
 
     async def drained(self) -> None:
         """Until no request is on any engine (paused engines hand theirs back quickly)."""
         await self._idle.wait()
 
-    def kick(self) -> None:
-        """Something changed (an engine became ready): try to place waiting requests."""
-        self._schedule_flush()
+    def check(self) -> None:
+        """Raises EngineFailedError once an engine is past its restart budget."""
+        if self.routes.fatal is not None:
+            raise EngineFailedError(self.routes.fatal)
+
+    def inflight(self, index: int) -> int:
+        return self._inflight.get(index, 0)
+
+    def ready(self) -> list[Route]:
+        return [r for r in self.routes.ready if (r.index, r.generation) not in self._failed]
 
     # ── placement on engines ─────────────────────────────────────────────────────────────────────
 
@@ -105,15 +150,14 @@ class EngineDispatcher:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        engines = self.pool.ready()
-        if self._held or not engines or not self._queue:
+        engines = self.ready()
+        if self.routes.held or not engines or not self._queue:
             return
         queue, self._queue = self._queue, []
-        trace = carrier()
-        for i, slot in enumerate(engines):
+        for i, route in enumerate(engines):
             share = queue[i :: len(engines)]
             if share:
-                self._start(self._run(slot, share, trace))
+                self._start(self._run(route, share, share[0].trace))
 
     def _start(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -132,12 +176,11 @@ class EngineDispatcher:
                 self._busy_since = None
         self._schedule_flush()
 
-    async def _run(self, slot: EngineSlot, share: list[_Pending], trace: dict[str, str]) -> None:
+    async def _run(self, route: Route, share: list[_Pending], trace: dict[str, str]) -> None:
         by_id = {p.request.request_id: p for p in share}
-        slot.inflight += len(share)
-        handle = slot.handle
+        self._inflight[route.index] = self.inflight(route.index) + len(share)
         try:
-            stream = handle.generate.options(num_returns="streaming").remote(
+            stream = route.handle.generate.options(num_returns="streaming").remote(
                 [p.next_request() for p in share], trace
             )
             while by_id:
@@ -151,27 +194,26 @@ class EngineDispatcher:
                 self._deliver(by_id.pop(result.request_id), result)
         except TimeoutError:
             self._engine_failed(
-                slot,
-                handle,
+                route,
                 f"hung: no result for {self.request_timeout_s:g}s inside generate "
                 "(fault.request_timeout_s)",
                 by_id,
             )
-        except Exception as exc:
-            if _is_actor_failure(exc):
-                self._engine_failed(slot, handle, f"{type(exc).__name__}: {exc}", by_id)
-            else:  # the engine refused the request itself: a real error for the caller
-                for p in by_id.values():
-                    if not p.future.done():
-                        p.future.set_exception(exc)
+        except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+            # The engine process died or became unreachable.
+            self._engine_failed(route, f"{type(exc).__name__}: {exc}", by_id)
+        except Exception as exc:  # the engine refused the request itself: the caller's error
+            for p in by_id.values():
+                if not p.future.done():
+                    p.future.set_exception(exc)
         finally:
-            slot.inflight = max(slot.inflight - len(share), 0)
+            self._inflight[route.index] = max(self.inflight(route.index) - len(share), 0)
 
-    def _engine_failed(
-        self, slot: EngineSlot, handle: Any, reason: str, unfinished: dict[int, _Pending]
-    ) -> None:
-        if slot.handle is handle:  # not already replaced by a restart
-            self.pool.fail(slot, reason)
+    def _engine_failed(self, route: Route, reason: str, unfinished: dict[int, _Pending]) -> None:
+        key = (route.index, route.generation)
+        if key not in self._failed:  # report each engine once; the group restarts it
+            self._failed.add(key)
+            self.report_failure(route.index, route.generation, reason)
         self.requeued += len(unfinished)
         self._queue.extend(unfinished.values())
 
@@ -201,10 +243,3 @@ class EngineDispatcher:
 
 async def _next(stream: Any) -> Any:
     return await stream.__anext__()
-
-
-def _is_actor_failure(exc: BaseException) -> bool:
-    """The engine process died or became unreachable (not an error raised by its code)."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-    return isinstance(exc, ActorDiedError | ActorUnavailableError | RayActorError)

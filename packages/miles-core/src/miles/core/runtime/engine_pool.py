@@ -1,9 +1,12 @@
 """The rollout engines under supervision: health checks, restarts with capped back-off.
 
 Each engine lives in a slot. A slot is `ready` (takes requests), `down` (dead or hung; a restart
-is under way) or `stale` (restarted, holding the base model's weights until the controller's next
-weight sync brings it to the current version). Only ready engines get requests. An engine that
-fails more than `fault.max_engine_restarts` times makes the run fail with the last error.
+is under way) or `stale` (restarted, holding the base model's weights until the next weight sync
+brings it to the current version). Each restart bumps the slot's `generation`, so a failure
+reported against an engine that was already replaced is ignored. An engine that fails more than
+`fault.max_engine_restarts` times makes the run fail with the last error (`fatal`).
+
+No Ray actor of its own: the engine group hosts it, and tests drive it with fake engines.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import structlog
 
@@ -27,35 +30,10 @@ class EngineFailedError(RuntimeError):
     """An engine failed past its restart budget: the run cannot go on."""
 
 
-@dataclass
-class EngineLauncher:
-    """Starts (and restarts) engine actors in their placement-group bundles. Picklable, so the
-    rollout manager can restart engines itself."""
+class Launcher(Protocol):
+    """Starts engine `index` (again), returning its actor handle."""
 
-    group: Any  # the Ray placement group
-    bundles: list[int]  # bundle index of engine i
-    num_cpus: float
-    num_gpus: float
-    kwargs: dict[str, Any]  # EngineActor's keyword arguments, except `index`
-
-    def launch(self, index: int) -> Any:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from miles.core.runtime.engine_actor import MAX_CONCURRENCY, EngineActor
-
-        return (
-            ray.remote(EngineActor)
-            .options(
-                num_cpus=self.num_cpus,
-                num_gpus=self.num_gpus,
-                max_concurrency=MAX_CONCURRENCY,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.group, self.bundles[index]
-                ),
-            )
-            .remote(index=index, **self.kwargs)
-        )
+    def launch(self, index: int) -> Any: ...
 
 
 @dataclass
@@ -64,19 +42,20 @@ class EngineSlot:
     handle: Any
     state: SlotState = "ready"
     restarts: int = 0
+    generation: int = 0  # bumped by every restart
     last_error: str = ""
-    inflight: int = 0  # requests handed to it and not yet back
 
 
 @dataclass
 class EnginePool:
-    launcher: EngineLauncher | None  # None: engines cannot be restarted (failures are fatal)
+    launcher: Launcher | None  # None: engines cannot be restarted (failures are fatal)
     handles: list[Any]
     fault: FaultConfig
+    on_change: Callable[[], None] = lambda: None  # called when a slot changes state
+    kill: Callable[[Any], None] = lambda handle: None  # stops a failed engine for good
     slots: list[EngineSlot] = field(init=False)
     restarts_total: int = 0
     fatal: str | None = None  # set when an engine is past its restart budget
-    on_change: Callable[[], None] = lambda: None  # called when a slot changes state
 
     def __post_init__(self) -> None:
         self.slots = [EngineSlot(i, h) for i, h in enumerate(self.handles)]
@@ -100,21 +79,19 @@ class EnginePool:
 
     # ── failures ─────────────────────────────────────────────────────────────────────────────────
 
-    def fail(self, slot: EngineSlot, reason: str) -> None:
-        """Takes the engine out of rotation, kills it, and restarts it in the background."""
-        if slot.state == "down":
+    def fail(self, index: int, generation: int, reason: str) -> None:
+        """Takes the engine out of rotation, kills it, and restarts it in the background. A
+        report about an earlier generation of the slot (already replaced) is ignored."""
+        slot = self.slots[index]
+        if slot.state == "down" or slot.generation != generation:
             return
-        import ray
-
         slot.state, slot.last_error = "down", reason
         log.warning("engine failed; restarting it", engine=slot.index, reason=reason)
-        ray.kill(slot.handle, no_restart=True)
+        self.kill(slot.handle)
         self._spawn(self._restart(slot))
         self.on_change()
 
     async def _restart(self, slot: EngineSlot) -> None:
-        import ray
-
         while True:
             if self.launcher is None or slot.restarts >= self.fault.max_engine_restarts:
                 self.fatal = (
@@ -131,13 +108,14 @@ class EnginePool:
             await asyncio.sleep(delay)
             handle = self.launcher.launch(slot.index)
             try:
-                # A new engine loads its model: give it as long as a request may take.
-                await asyncio.wait_for(_ref(handle.health.remote()), self.fault.request_timeout_s)
+                # A new engine loads its model first (minutes, for a large one).
+                await asyncio.wait_for(_ref(handle.health.remote()), self.fault.start_timeout_s)
             except Exception as exc:
                 slot.last_error = f"restart failed: {type(exc).__name__}: {exc}"
-                ray.kill(handle, no_restart=True)
+                self.kill(handle)
                 continue
-            slot.handle, slot.state, slot.inflight = handle, "stale", 0
+            slot.handle, slot.state = handle, "stale"
+            slot.generation += 1
             log.info("engine restarted; it rejoins at the next weight sync", engine=slot.index)
             self.on_change()
             return
@@ -157,16 +135,17 @@ class EnginePool:
         interval = self.fault.health_check_s
         while True:
             await asyncio.sleep(interval)
-            for slot in self.ready():
-                t0 = time.monotonic()
-                try:
-                    health = await asyncio.wait_for(_ref(slot.handle.health.remote()), interval)
-                    if not health.get("ok", True):
-                        raise RuntimeError(f"engine reports unhealthy: {health}")
-                except Exception as exc:
-                    if slot.state == "ready":
-                        waited = time.monotonic() - t0
-                        self.fail(slot, f"health check failed after {waited:.1f}s: {exc!r}")
+            await asyncio.gather(*(self._check_one(s, interval) for s in self.ready()))
+
+    async def _check_one(self, slot: EngineSlot, timeout: float) -> None:
+        t0, generation = time.monotonic(), slot.generation
+        try:
+            health = await asyncio.wait_for(_ref(slot.handle.health.remote()), timeout)
+            if not health.get("ok", True):
+                raise RuntimeError(f"engine reports unhealthy: {health}")
+        except Exception as exc:
+            waited = time.monotonic() - t0
+            self.fail(slot.index, generation, f"health check failed after {waited:.1f}s: {exc!r}")
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

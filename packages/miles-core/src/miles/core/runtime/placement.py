@@ -4,7 +4,7 @@ disaggregated: each train rank gets a bundle (one CPU, plus one GPU on a GPU clu
 engine a bundle of its own (one CPU, plus `rollout.gpus_per_engine` GPUs, which Ray keeps on one
 node). colocated: one bundle per train rank, and engine i shares rank i's bundle, each actor taking
 half of it. Bundles are handed out in (node, GPU) order (`bundles.assign`), so train ranks fill a
-node before the next. The rollout manager only coordinates and takes no bundle.
+node before the next. The engine group and the rollout manager only coordinate and take no bundle.
 """
 
 from __future__ import annotations
@@ -13,31 +13,36 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 import structlog
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from miles.core.config import RunConfig
+from miles.core.components import Capability, Kind
+from miles.core.config import ReplayMode, RunConfig
+from miles.core.families import record_mode
 from miles.core.plugins import get_plugin_manager
-from miles.core.routing import record_mode
-from miles.core.runtime.engine_pool import EngineLauncher
+from miles.core.runtime.bundles import assign, probe_bundles
+from miles.core.runtime.engine_actor import MAX_CONCURRENCY, EngineActor
+from miles.core.runtime.engine_group import EngineGroup
+from miles.core.runtime.process import free_port, node_address
+from miles.core.runtime.rollout_manager import RolloutManager
+from miles.core.runtime.train_actor import TrainActor
 
 log = structlog.get_logger(__name__)
 
 
-def use_gpus(config: RunConfig) -> bool:
-    """GPU bundles wherever the controller sees CUDA (the same image runs every node)."""
-    import torch
-
-    return bool(torch.cuda.is_available())
+def use_gpus() -> bool:
+    """GPU bundles when the Ray cluster has GPUs: the controller itself needs no CUDA."""
+    return bool(ray.cluster_resources().get("GPU", 0))  # type: ignore[no-untyped-call]
 
 
 def start_ray(config: RunConfig, address: str | None) -> None:
     """Joins `address`, or starts a local Ray sized for this run.
 
-    `miles run` turns Ray's token authentication on for a local Ray (see `runner`): every
+    `miles run` turns Ray's token authentication on for a local Ray (see `cli.run`): every
     connection must present the token Ray keeps in ~/.ray/auth_token.
     """
-    import ray
-
     if ray.is_initialized():
         return
     common: dict[str, Any] = {
@@ -63,27 +68,21 @@ def start_ray(config: RunConfig, address: str | None) -> None:
 class TrainLauncher:
     """Starts the train group in its bundles (again after a failure, with a new rendezvous)."""
 
-    group: Any
+    group: PlacementGroup
     bundles: list[int]  # bundle index of rank r
     num_cpus: float
     num_gpus: float
     kwargs: dict[str, Any]  # TrainActor's keyword arguments, except rank and the rendezvous
 
     def launch(self) -> list[Any]:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from miles.core.runtime.train_actor import TrainActor
-
-        def at(bundle: int) -> PlacementGroupSchedulingStrategy:
-            return PlacementGroupSchedulingStrategy(self.group, bundle)
-
         # The rendezvous lives where rank 0 will run: ask a task in rank 0's bundle.
-        probe = ray.remote(_address).options(num_cpus=0, scheduling_strategy=at(self.bundles[0]))
+        probe = ray.remote(_address).options(num_cpus=0, scheduling_strategy=self._at(0))
         master_addr, master_port = ray.get(probe.remote())
         return [
             ray.remote(TrainActor)
-            .options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, scheduling_strategy=at(b))
+            .options(
+                num_cpus=self.num_cpus, num_gpus=self.num_gpus, scheduling_strategy=self._at(rank)
+            )
             .remote(
                 rank=rank,
                 world_size=len(self.bundles),
@@ -91,30 +90,51 @@ class TrainLauncher:
                 master_port=master_port,
                 **self.kwargs,
             )
-            for rank, b in enumerate(self.bundles)
+            for rank in range(len(self.bundles))
         ]
+
+    def _at(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(self.group, self.bundles[rank])
+
+
+@dataclass
+class EngineLauncher:
+    """Starts (and restarts) engine actors in their bundles. Picklable, so the engine group can
+    restart engines itself."""
+
+    group: PlacementGroup
+    bundles: list[int]  # bundle index of engine i
+    num_cpus: float
+    num_gpus: float
+    kwargs: dict[str, Any]  # EngineActor's keyword arguments, except `index`
+
+    def launch(self, index: int) -> Any:
+        return (
+            ray.remote(EngineActor)
+            .options(
+                num_cpus=self.num_cpus,
+                num_gpus=self.num_gpus,
+                max_concurrency=MAX_CONCURRENCY,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.group, self.bundles[index]
+                ),
+            )
+            .remote(index=index, **self.kwargs)
+        )
 
 
 @dataclass
 class Placement:
     trainers: list[Any]
-    manager: Any
-    engines: list[Any]
-    group: Any
     train_launcher: TrainLauncher
+    engines: Any  # the EngineGroup actor
+    rollout: Any  # the RolloutManager actor
+    group: PlacementGroup
     colocated: bool
-    gpus: bool
-    engine_dtype: str  # what the engines hold their weights in
 
     @classmethod
     def create(cls, config: RunConfig, run_dir: str) -> Placement:
-        import ray
-        from ray.util.placement_group import placement_group
-
-        from miles.core.runtime.bundles import assign, probe_bundles
-        from miles.core.runtime.rollout_manager import RolloutManager
-
-        gpus = use_gpus(config)
+        gpus = use_gpus()
         colocated = config.placement == "colocated"
         n_train, n_engines = config.train.world_size, config.rollout.engines
         train_bundle = {"CPU": 1, **({"GPU": 1} if gpus else {})}
@@ -138,17 +158,9 @@ class Placement:
         # On CPU, give each actor its share of cores so they do not oversubscribe the machine.
         threads = None if gpus else max(1, (os.cpu_count() or 1) // (n_train + n_engines))
         device = "cuda" if gpus else "cpu"
-        rollout_options = dict(config.rollout.options)
-        rollout_options.setdefault("dtype", rollout_dtype(config))
-        record = record_mode(get_plugin_manager(), config.model.path, config.moe.routing_replay)
-        if record != "off":
-            rollout_options.setdefault("record_routing", record)
+        common = {"config": config, "run_dir": run_dir, "device": device, "num_threads": threads}
         train_launcher = TrainLauncher(
-            group,
-            train_at,
-            num_cpus=share,
-            num_gpus=share if gpus else 0,
-            kwargs={"config": config, "run_dir": run_dir, "device": device, "num_threads": threads},
+            group, train_at, num_cpus=share, num_gpus=share if gpus else 0, kwargs=common
         )
         trainers = train_launcher.launch()
         engine_launcher = EngineLauncher(
@@ -156,36 +168,34 @@ class Placement:
             engine_at,
             num_cpus=share,
             num_gpus=(share if colocated else config.rollout.gpus_per_engine) if gpus else 0,
-            kwargs={
-                "backend": config.rollout.backend,
-                "options": rollout_options,
-                "model_path": config.model.path,
-                "device": device,
-                "seed": config.seed,
-                "run_dir": run_dir,
-                "num_threads": threads,
-                "sync_timeout_s": config.fault.request_timeout_s,
-                "precision": config.precision,
-                "lora": config.lora,
-            },
+            kwargs={**common, "record_routing": _record_routing(config)},
         )
-        engines = [engine_launcher.launch(i) for i in range(n_engines)]
-        manager: Any = (
-            ray.remote(RolloutManager)
+        handles = [engine_launcher.launch(i) for i in range(n_engines)]
+        engines: Any = (
+            ray.remote(EngineGroup)
             .options(num_cpus=0)
-            .remote(config, run_dir, engines, engine_launcher)
+            .remote(config.fault, run_dir, handles, engine_launcher)
+        )
+        rollout: Any = (
+            ray.remote(RolloutManager).options(num_cpus=0).remote(config, run_dir, engines)
         )
         # Surface constructor errors (bad checkpoint, missing file) here, not at the first step.
-        ray.get([e.health.remote() for e in engines] + [manager.weight_versions.remote()])
-        ray.get([t.flush.remote() for t in trainers])
-        dtype = str(rollout_options["dtype"])
-        return cls(trainers, manager, engines, group, train_launcher, colocated, gpus, dtype)
+        ray.get([h.health.remote() for h in handles] + [rollout.flush.remote()])
+        ray.get([t.flush.remote() for t in trainers] + [engines.connect.remote(rollout)])
+        return cls(trainers, train_launcher, engines, rollout, group, colocated)
+
+
+def _record_routing(config: RunConfig) -> ReplayMode:
+    """What engines record: MoE routing when the model has routers to record and the rollout
+    backend can (validation refused a replay it cannot serve)."""
+    spec = get_plugin_manager().get(Kind.ROLLOUT_BACKEND, config.rollout.backend).spec
+    if not spec.has(Capability.ROUTING_RECORD):
+        return "off"
+    return record_mode(config.model.path, config.moe.routing_replay)
 
 
 def _check_capacity(bundles: list[dict[str, int]]) -> None:
     """Fails at once, not after a placement time-out, when the cluster is too small."""
-    import ray
-
     have = ray.cluster_resources()  # type: ignore[no-untyped-call]
     for resource in ("CPU", "GPU"):
         need = sum(b.get(resource, 0) for b in bundles)
@@ -197,23 +207,5 @@ def _check_capacity(bundles: list[dict[str, int]]) -> None:
             )
 
 
-def quantizes(precision: Any) -> bool:
-    """A precision with its own weight format (fp8, int4...): it converts the training model's
-    layers, and engines without its kernel decode what a sync sends."""
-    return hasattr(precision, "rollout_decoder")
-
-
-def rollout_dtype(config: RunConfig) -> str:
-    """Engines hold weights in the run's precision: no manual conversion."""
-    from miles.core.components import Kind
-    from miles.core.factory import build_component
-
-    precision = build_component(Kind.PRECISION, config.precision, path="precision")
-    dtype = getattr(precision, "dtype", None)
-    return str(dtype).removeprefix("torch.") if dtype is not None else "float32"
-
-
 def _address() -> tuple[str, int]:
-    from miles.core.runtime.process import free_port, node_address
-
     return node_address(), free_port()

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
+from miles.core.protocols import GroupReward, Tokenizer
 from miles.core.types import Sample, SampleStatus
 
 log = structlog.get_logger(__name__)
@@ -23,11 +24,21 @@ class RewardError(RuntimeError):
 
 
 class RewardScorer:
+    """Scores groups with `reward`: one `score_group` call per group when `groups` (the reward
+    declares `Capability.SCORES_GROUPS`), else one call per sample."""
+
     def __init__(
-        self, reward: Any, name: str, tokenizer: Any, *, on_error: str, timeout_s: float | None
+        self,
+        reward: Any,
+        name: str,
+        tokenizer: Tokenizer,
+        *,
+        groups: bool = False,
+        on_error: str = "mark_failed",
+        timeout_s: float | None = None,
     ) -> None:
         self.reward, self.name, self.tokenizer = reward, name, tokenizer
-        self.on_error, self.timeout_s = on_error, timeout_s
+        self.groups, self.on_error, self.timeout_s = groups, on_error, timeout_s
 
     async def score(self, group: list[Sample]) -> None:
         """Sets `reward` on each sample of one group (or marks it failed)."""
@@ -35,9 +46,10 @@ class RewardScorer:
         if not live:
             return
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in live]
-        if hasattr(self.reward, "score_group"):
+        if self.groups:
             try:
-                scores = list(await self._timed(self.reward.score_group(texts, live)))
+                reward = cast(GroupReward, self.reward)
+                scores = list(await self._timed(reward.score_group(texts, live)))
                 if len(scores) != len(live):
                     raise ValueError(f"score_group returned {len(scores)} scores for {len(live)}")
             except Exception as exc:

@@ -1,0 +1,37 @@
+"""The `rollout/*` metrics of one step batch."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from miles.core.runtime.buffer import StepBatch
+from miles.core.types import Sample, SampleStatus
+
+
+def rollout_metrics(
+    batch: StepBatch, kept: list[Sample], samples_per_prompt: int
+) -> dict[str, float]:
+    flat = batch.generated
+    rewards = [s.reward for s in flat if s.reward is not None]
+    lengths = [len(s.response_ids) for s in flat]
+    tokens = sum(lengths)
+    seconds = batch.seconds
+    generated_groups = len(flat) // max(samples_per_prompt, 1)
+    return {
+        "rollout/reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+        "rollout/reward_std": float(np.std(rewards)) if rewards else 0.0,
+        "rollout/response_len_mean": float(np.mean(lengths)) if lengths else 0.0,
+        "rollout/truncated_frac": float(np.mean([s.status is SampleStatus.TRUNCATED for s in flat]))
+        if flat
+        else 0.0,
+        "rollout/reward_errors": float(sum(1 for s in flat if s.metadata.get("reward_error"))),
+        "rollout/failed": float(sum(1 for s in flat if s.status is SampleStatus.FAILED)),
+        "rollout/samples": float(len(flat)),
+        "rollout/kept_samples": float(len(kept)),
+        "rollout/filtered_frac": 1.0 - len(kept) / len(flat) if flat else 0.0,
+        "rollout/tokens": float(tokens + sum(len(s.prompt_ids) for s in kept)),
+        "rollout/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "rollout/dropped_group_frac": 1 - len(batch.kept) / max(generated_groups, 1),
+        "rollout/oversample_rounds": float(batch.extra_rounds),
+        "perf/rollout_s": seconds,  # generating it; the trainer may wait less
+    }

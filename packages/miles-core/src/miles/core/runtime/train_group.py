@@ -1,0 +1,97 @@
+"""The train group: every rank of the train backend, called together, restarted together.
+
+A rank that dies makes the whole group restart (a new rendezvous) from the latest valid
+checkpoint, with capped, doubling back-off (`fault.max_train_restarts`, `fault.backoff_s`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import ray
+import structlog
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from miles.core.config import FaultConfig
+from miles.core.rundir import latest_valid_checkpoint
+from miles.core.runtime.placement import TrainLauncher
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+
+class TrainGroupFailedError(RuntimeError):
+    """The train group died more often than fault.max_train_restarts allows."""
+
+
+class TrainerDied(Exception):
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+class TrainGroup:
+    def __init__(self, launcher: TrainLauncher, trainers: list[Any], fault: FaultConfig) -> None:
+        self.launcher, self.trainers, self.fault = launcher, trainers, fault
+        self.restarts = 0
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Calls `method` on every rank; rank 0's answer. A dead rank: TrainerDied."""
+        try:
+            return ray.get([getattr(t, method).remote(*args) for t in self.trainers])[0]
+        except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+            raise TrainerDied(exc) from exc
+
+    def restart(self, error: TrainerDied, run_dir: Path) -> int:
+        """Replaces every rank and loads the latest valid checkpoint into the new group; returns
+        the step it holds (-1: none yet, the group starts from model.path)."""
+        if self.restarts >= self.fault.max_train_restarts:
+            raise TrainGroupFailedError(
+                f"a train rank died and the train group was already restarted "
+                f"{self.restarts} times (fault.max_train_restarts="
+                f"{self.fault.max_train_restarts}); last error: {error}"
+            ) from error.cause
+        delay = min(self.fault.backoff_s * 2**self.restarts, self.fault.backoff_max_s)
+        self.restarts += 1
+        log.warning(
+            "a train rank died; restarting the train group",
+            restart=self.restarts,
+            in_s=delay,
+            error=str(error),
+        )
+        for trainer in self.trainers:
+            with contextlib.suppress(Exception):
+                ray.kill(trainer, no_restart=True)
+        time.sleep(delay)
+        self.trainers = self.launcher.launch()
+        found = latest_valid_checkpoint(run_dir)
+        if found is None:
+            log.warning("no checkpoint yet: the new train group starts from model.path")
+            return -1
+        self.call("load", str(found[1] / "train"))
+        log.info("train group restored", checkpoint=str(found[1]))
+        return found[0]
+
+    def flush(self) -> list[Any]:
+        return [t.flush.remote() for t in self.trainers]
+
+
+def retrying(what: str, fn: Callable[[], T], recover: Callable[[TrainerDied], None]) -> T:
+    """Runs `fn`; if a train rank dies in it, `recover` (which may itself lose a rank again)
+    and runs it again."""
+    while True:
+        try:
+            return fn()
+        except TrainerDied as exc:
+            log.warning(f"train group lost during {what}")
+            error = exc
+            while True:
+                try:
+                    recover(error)
+                    break
+                except TrainerDied as again:
+                    error = again

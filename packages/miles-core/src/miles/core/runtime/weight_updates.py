@@ -1,0 +1,117 @@
+"""Weight updates, driven by the controller: the trainer's weights to every alive engine.
+
+A broadcast over a process group of rank 0 and the engines (rebuilt whenever its members changed),
+or, colocated, each bucket handed to the engine on the same GPU. Engines that die during a sync
+are restarted by the engine group and the sync is tried again; afterwards the engines' weights
+are checked against the trainer's (`rollout.verify_weights`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+import structlog
+
+from miles.core.config import RunConfig
+from miles.core.runtime.buffer import BufferPolicy
+from miles.core.runtime.train_group import TrainerDied, TrainGroup
+from miles.core.telemetry import carrier, span
+from miles.core.weight_sync import SyncPlan
+
+log = structlog.get_logger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+class WeightUpdater:
+    def __init__(
+        self, config: RunConfig, trainers: TrainGroup, engines: Any, rollout: Any, colocated: bool
+    ) -> None:
+        self.config, self.trainers = config, trainers
+        self.engines, self.rollout, self.colocated = engines, rollout, colocated
+        # Batches in flight finish before an update, unless the policy pauses them (async). With
+        # no lookahead (sync) none can be in flight: the next starts once the weights are out.
+        policy = BufferPolicy.from_config(config)
+        self.wait_for_batches = policy.lookahead > 0 and not policy.interrupt_on_update
+        self.version = 0  # of the weights on the engines
+        self.synced_through = -1  # the engines hold the weights made by this step
+        self.plan = SyncPlan()
+        self._engine_dtype: str | None = None
+
+    def make_plan(self) -> None:
+        """What engines receive (again after the train group restarted)."""
+        self.plan = self.trainers.call("sync_plan", self.config.rollout.sync_bucket_mb * 2**20)
+
+    def sync(self, step: int, *, new_version: bool = True) -> dict[str, float]:
+        """The trainer's weights to every alive engine, as a new version (after training) or
+        again as the current one (to bring restarted engines in)."""
+        t0 = time.perf_counter()
+        version = self.version + 1 if new_version else self.version
+        synced_through = step if new_version else self.synced_through
+        with span("miles.weight_sync", step=step, version=version):
+            for attempt in range(self.config.fault.max_engine_restarts + 1):
+                try:
+                    sent = self._sync_once(version, finish_batches=new_version)
+                    break
+                except TrainerDied:
+                    raise
+                except Exception as exc:
+                    log.warning("weight sync failed; retrying", attempt=attempt, error=repr(exc))
+                    ray.get(self.engines.sync_failed.remote())
+            else:
+                raise WeightSyncError(f"weight sync to version {version} failed repeatedly")
+            self.version, self.synced_through = version, synced_through
+            if self.config.rollout.verify_weights:
+                self.verify()
+            # Together: batches the new version lets start queue until the engines resume.
+            ray.get(
+                [
+                    self.engines.end_update.remote(),
+                    self.rollout.weights_updated.remote(version, synced_through),
+                ]
+            )
+        return {
+            "weights/version": float(self.version),
+            "weights/sync_bytes": float(sent),
+            "perf/sync_s": time.perf_counter() - t0,
+        }
+
+    def _sync_once(self, version: int, *, finish_batches: bool) -> int:
+        if finish_batches and self.wait_for_batches:
+            ray.get(self.rollout.finish_in_flight.remote())
+        rebuild = ray.get(self.engines.begin_update.remote())
+        trace = carrier()
+        if self.colocated:
+            targets = ray.get(self.engines.in_place_targets.remote())
+            return int(
+                self.trainers.call("send_weights_in_place", self.plan, version, targets, trace)
+            )
+        if rebuild:  # every member joins the new group at once
+            host, port = ray.get(self.trainers.trainers[0].sync_address.remote())
+            world = ray.get(self.engines.sync_world.remote())
+            joined = self.engines.join_sync.remote(host, port)
+            self.trainers.call("join_sync", host, port, world)
+            ray.get(joined)
+        receive = self.engines.receive_weights.remote(self.plan, version, trace)
+        sent = self.trainers.call("send_weights", self.plan, version, trace)
+        ray.get(receive)
+        return int(sent)
+
+    def verify(self) -> None:
+        """Engines must hold exactly the trainer's weights, at the current version."""
+        if self._engine_dtype is None:
+            self._engine_dtype = str(ray.get(self.engines.weights_dtype.remote()))
+        expected = self.trainers.call("checksum", self._engine_dtype)  # collective
+        checksums, versions = ray.get(
+            [self.engines.checksums.remote(), self.engines.weight_versions.remote()]
+        )
+        bad = [i for i, c in enumerate(checksums) if c != expected]
+        if bad or any(v != self.version for v in versions):
+            raise WeightSyncError(
+                f"weight sync verification failed at version {self.version}: engines {bad} hold "
+                f"other weights (versions {versions}); the trainer's checksum is {expected[:16]}"
+            )
