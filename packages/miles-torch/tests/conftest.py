@@ -28,16 +28,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
 def make_trainer() -> Iterator[Callable[..., Any]]:
     """Builds single-rank FSDP trainers; closes them (and the process group) after the test."""
     from miles.core.runtime.process import free_port
-    from miles.torch.train.config import FSDPConfig
-    from miles.torch.train.fsdp import FSDPTrainer
+    from miles.torch.testing import make_trainer as make_one
 
     made: list[Any] = []
     port = free_port()
 
-    def make(path: str, **cfg: Any) -> Any:
-        trainer = FSDPTrainer(
-            FSDPConfig(**cfg), path, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port
-        )
+    def make(path: str, **options: Any) -> Any:
+        """`options`: FSDPConfig and TrainSetup fields (reference=True, critic=True, ...)."""
+        trainer = make_one(path, master_port=port, **options)
         made.append(trainer)
         return trainer
 

@@ -19,9 +19,8 @@ from safetensors.torch import save_file
 
 from miles.core.protocols import LossInputs
 from miles.core.types import PackedBatch
+from miles.torch.testing import make_trainer
 from miles.torch.train import checkpoint as ckpt
-from miles.torch.train.config import FSDPConfig
-from miles.torch.train.fsdp import FSDPTrainer
 from miles.torch.weights import named_state
 
 CONFIG = dict(
@@ -51,13 +50,12 @@ def main() -> None:
     torch.set_num_threads(1)
     with np.load(batch_file, allow_pickle=False) as arrays:
         batch = PackedBatch(**{k: arrays[k] for k in arrays.files})
-    trainer = FSDPTrainer(
-        FSDPConfig(**CONFIG),
+    trainer = make_trainer(
         model,
+        master_port=int(port),
         rank=rank,
         world_size=world,
-        master_addr="127.0.0.1",
-        master_port=int(port),
+        **CONFIG,
     )
     metrics = []
     values = trainer.values(batch)

@@ -20,8 +20,7 @@ from safetensors.torch import save_file
 
 from miles.core.protocols import LossInputs
 from miles.core.types import PackedBatch
-from miles.torch.train.config import FSDPConfig
-from miles.torch.train.fsdp import FSDPTrainer
+from miles.torch.testing import make_trainer
 
 # Adam's large eps keeps the update smooth in the grad (see test_fsdp.py's micro-batching test).
 CONFIG = dict(lr=1e-2, eps=1e-3, micro_batch_tokens=12, lr_schedule="linear", total_steps=4)
@@ -40,17 +39,16 @@ def main() -> None:
     torch.set_num_threads(1)
     with np.load(batch_file, allow_pickle=False) as arrays:
         batch = PackedBatch(**{k: arrays[k] for k in arrays.files})
-    trainer = FSDPTrainer(
-        FSDPConfig(**CONFIG),
+    trainer = make_trainer(
         model,
+        master_port=int(port),
         rank=rank,
         world_size=world,
-        master_addr="127.0.0.1",
-        master_port=int(port),
         device="cpu" if device == "cpu" else f"cuda:{rank}",
+        **CONFIG,
     )
     metrics = []
-    logprobs = trainer.logprobs(batch)["logprobs"]
+    logprobs = trainer.logprobs(batch).logprobs
     if resume:
         trainer.load(resume[0])
     else:

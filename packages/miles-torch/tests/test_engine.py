@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.core.protocols import RolloutEngine
+from miles.core.backends import RolloutEngine
 from miles.core.types import GenerateRequest, GenerateResult, SamplingParams
 from miles.torch.engine.engine import TorchRolloutEngine
 

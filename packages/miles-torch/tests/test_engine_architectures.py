@@ -262,7 +262,7 @@ def test_trainer_logprobs_match_transformers(arch_model, make_trainer, arch):
     # A 48-token budget: several right-padded sequences share a micro-batch.
     trainer = make_trainer(path, micro_batch_tokens=48)
     batch = packed_batch()
-    out = trainer.logprobs(batch)["logprobs"]
+    out = trainer.logprobs(batch).logprobs
     model = reference_model(path)
     for i in range(len(batch)):
         lo, hi = batch.offsets[i], batch.offsets[i + 1]

@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.core.checksum import tensors_checksum
 from miles.core.types import GenerateRequest, SamplingParams
 from miles.torch.engine.engine import TorchRolloutEngine
+from miles.torch.sync.checksum import tensors_checksum
 
 torch.set_num_threads(1)
 

@@ -74,8 +74,8 @@ def test_logprobs_match_transformers_forward(model_path, make_trainer):
     # A budget of 12 tokens: several micro-batches, and the 25-token sequence alone in one.
     trainer = make_trainer(model_path, micro_batch_tokens=12, temperature=temperature)
     out = trainer.logprobs(batch)
-    assert out.keys() == {"logprobs", "entropy"}
-    assert out["logprobs"].dtype == np.float32 and out["logprobs"].shape == batch.tokens.shape
+    assert out.ref_logprobs is None and out.metrics == {}  # no reference, no MoE routers
+    assert out.logprobs.dtype == np.float32 and out.logprobs.shape == batch.tokens.shape
 
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     for i in range(len(batch)):
@@ -87,10 +87,10 @@ def test_logprobs_match_transformers_forward(model_path, make_trainer):
         want[1:] = logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
         want_entropy = torch.zeros(hi - lo)
         want_entropy[1:] = -(logp.exp() * logp).sum(-1)[:-1]
-        np.testing.assert_allclose(out["logprobs"][lo:hi], want.numpy(), rtol=0, atol=1e-5)
-        np.testing.assert_allclose(out["entropy"][lo:hi], want_entropy.numpy(), rtol=0, atol=1e-5)
-        assert out["logprobs"][lo] == 0.0 and out["entropy"][lo] == 0.0
-    assert (out["logprobs"][1:] != 0).sum() == len(batch.tokens) - len(batch)  # all filled in
+        np.testing.assert_allclose(out.logprobs[lo:hi], want.numpy(), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(out.entropy[lo:hi], want_entropy.numpy(), rtol=0, atol=1e-5)
+        assert out.logprobs[lo] == 0.0 and out.entropy[lo] == 0.0
+    assert (out.logprobs[1:] != 0).sum() == len(batch.tokens) - len(batch)  # all filled in
 
 
 def test_micro_batching_and_activation_checkpointing_do_not_change_the_step(
@@ -110,7 +110,7 @@ def test_micro_batching_and_activation_checkpointing_do_not_change_the_step(
             activation_checkpointing=recompute,
         )
         if not results:  # the same off-policy old logprobs for every run: some ratios clip
-            old = trainer.logprobs(batch)["logprobs"]
+            old = trainer.logprobs(batch).logprobs
             batch.old_logprobs = old + 0.3 * rng.standard_normal(old.shape).astype(np.float32)
         attention_calls = []
         trainer.model.model.layers[0].self_attn.register_forward_pre_hook(
@@ -142,7 +142,7 @@ def test_sft_steps_reduce_the_loss_and_follow_the_lr_schedule(model_path, make_t
     batch = make_batch(SHAPES, seed=3)
     cfg = dict(lr=3e-3, lr_schedule="cosine", warmup_steps=2, total_steps=8, micro_batch_tokens=16)
     trainer = make_trainer(model_path, **cfg)
-    first = trainer.logprobs(batch)["logprobs"]
+    first = trainer.logprobs(batch).logprobs
     nll_before = -(first * batch.loss_mask).sum() / batch.loss_mask.sum()
     history = [trainer.train_step(batch, sft) for _ in range(8)]
     losses = [m["train/loss"] for m in history]
@@ -154,6 +154,13 @@ def test_sft_steps_reduce_the_loss_and_follow_the_lr_schedule(model_path, make_t
     assert trainer.step == 8
 
 
+def test_the_run_sets_total_steps_unless_the_config_does(model_path, make_trainer):
+    with pytest.raises(ValueError, match="total_steps > warmup_steps"):
+        make_trainer(model_path, lr_schedule="linear")  # the run plans no step at all
+    trainer = make_trainer(model_path, lr_schedule="linear", total_steps=6)  # TrainSetup's
+    assert trainer.cfg.total_steps == 6
+
+
 def test_config_and_lr_schedules():
     cos = FSDPConfig(lr=1.0, lr_schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
     assert [lr_at(cos, s) for s in range(2)] == [0.5, 1.0]
@@ -163,7 +170,8 @@ def test_config_and_lr_schedules():
     assert [lr_at(lin, s) for s in range(5)] == [2.0, 1.5, 1.0, 0.5, 0.0]
     assert lr_at(FSDPConfig(lr=0.5, warmup_steps=4), 100) == 0.5
     with pytest.raises(ValueError, match="total_steps"):
-        FSDPConfig(lr_schedule="cosine", total_steps=0)
+        FSDPConfig(lr_schedule="cosine", warmup_steps=2, total_steps=2)
+    FSDPConfig(lr_schedule="cosine", total_steps=0)  # 0: the run's steps, known at the trainer
     with pytest.raises(ValueError, match="dtype"):
         FSDPConfig(dtype="float16")
     assert FSDPConfig(betas=[0.9, 0.95]).betas == (0.9, 0.95)  # as YAML gives them
@@ -173,18 +181,18 @@ def test_config_and_lr_schedules():
 def test_reference_model_stays_frozen(model_path, make_trainer, ref_mode):
     batch = make_batch(SHAPES)
     trainer = make_trainer(
-        model_path, lr=1e-2, ref_model=True, ref_mode=ref_mode, micro_batch_tokens=16
+        model_path, lr=1e-2, reference=True, ref_mode=ref_mode, micro_batch_tokens=16
     )
     before = trainer.logprobs(batch)
-    np.testing.assert_array_equal(before["ref_logprobs"], before["logprobs"])
+    np.testing.assert_array_equal(before.ref_logprobs, before.logprobs)
     trainer.train_step(batch, sft)
     after = trainer.logprobs(batch)
-    np.testing.assert_array_equal(after["ref_logprobs"], before["logprobs"])
-    assert np.abs(after["logprobs"] - before["logprobs"]).max() > 1e-3
+    np.testing.assert_array_equal(after.ref_logprobs, before.logprobs)
+    assert np.abs(after.logprobs - before.logprobs).max() > 1e-3
     trainer.sleep()  # CPU: a no-op; the trainer keeps working
     trainer.wake()
     assert trainer.train_step(batch, sft)["train/loss"] < -float(
-        (before["logprobs"] * batch.loss_mask).sum() / batch.loss_mask.sum()
+        (before.logprobs * batch.loss_mask).sum() / batch.loss_mask.sum()
     )
 
 
@@ -192,17 +200,17 @@ def test_offloaded_reference_equals_the_frozen_copy(model_path, make_trainer):
     """Swapping host-held reference shards in and out gives the copy's logprobs, and leaves the
     policy exactly as it was: training goes on identically."""
     batch = make_batch(SHAPES)
-    copy = make_trainer(model_path, lr=1e-2, ref_model=True, ref_mode="copy", micro_batch_tokens=16)
+    copy = make_trainer(model_path, lr=1e-2, reference=True, ref_mode="copy", micro_batch_tokens=16)
     offload = make_trainer(
-        model_path, lr=1e-2, ref_model=True, ref_mode="offload", micro_batch_tokens=16
+        model_path, lr=1e-2, reference=True, ref_mode="offload", micro_batch_tokens=16
     )
     for _ in range(3):
         a, b = copy.logprobs(batch), offload.logprobs(batch)
-        np.testing.assert_array_equal(a["ref_logprobs"], b["ref_logprobs"])
-        np.testing.assert_array_equal(a["logprobs"], b["logprobs"])
+        np.testing.assert_array_equal(a.ref_logprobs, b.ref_logprobs)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
         assert copy.train_step(batch, sft) == offload.train_step(batch, sft)
     assert max_diff(weights(copy), weights(offload)) == 0.0
-    assert np.abs(a["ref_logprobs"] - a["logprobs"]).max() > 1e-3  # the policy did move
+    assert np.abs(a.ref_logprobs - a.logprobs).max() > 1e-3  # the policy did move
 
 
 def test_checkpoint_resumes_exactly_without_pickle(model_path, make_trainer, tmp_path):

@@ -11,8 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from miles.core.protocols import LossInputs
 from miles.core.types import PackedBatch, Sample
-from miles.torch.testing import make_tiny_model
-from miles.torch.train.config import FSDPConfig
+from miles.torch.testing import make_tiny_model, make_trainer
 from miles.torch.train.fsdp import FSDPTrainer
 
 pytestmark = pytest.mark.gpu
@@ -47,15 +46,7 @@ def trainers(tmp_path):
     made: list[FSDPTrainer] = []
 
     def make(**cfg) -> FSDPTrainer:
-        trainer = FSDPTrainer(
-            FSDPConfig(micro_batch_tokens=128, **cfg),
-            path,
-            rank=0,
-            world_size=1,
-            master_addr="127.0.0.1",
-            master_port=port,
-            device="cuda",
-        )
+        trainer = make_trainer(path, master_port=port, device="cuda", micro_batch_tokens=128, **cfg)
         made.append(trainer)
         return trainer
 
@@ -76,8 +67,8 @@ def test_bf16_logprobs_and_learning(trainers):
         with torch.no_grad():
             logp = torch.log_softmax(hf(input_ids=ids).logits[0].float(), -1)
         want[lo + 1 : hi] = logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).cpu().numpy()
-    np.testing.assert_allclose(fp32.logprobs(batch)["logprobs"], want, atol=1e-4, rtol=0)
-    got = bf16.logprobs(batch)["logprobs"]
+    np.testing.assert_allclose(fp32.logprobs(batch).logprobs, want, atol=1e-4, rtol=0)
+    got = bf16.logprobs(batch).logprobs
     assert np.abs(got - want).max() < 0.25 and np.abs(got - want).mean() < 0.03
     losses = [bf16.train_step(batch, sft)["train/loss"] for _ in range(5)]
     assert losses[-1] < losses[0] - 0.1
@@ -95,7 +86,7 @@ def gpu_state(trainer: FSDPTrainer) -> list[torch.Tensor]:
 def test_sleep_frees_the_gpu_and_wake_resumes_exactly(trainers):
     _, make = trainers
     batch = make_batch()
-    sleeper, control = make(lr=1e-3, ref_model=True), make(lr=1e-3, ref_model=True)
+    sleeper, control = make(lr=1e-3, reference=True), make(lr=1e-3, reference=True)
     for trainer in (sleeper, control):
         trainer.train_step(batch, sft)  # creates the optimizer state
     resident = sum(t.numel() * t.element_size() for t in gpu_state(sleeper))
@@ -122,15 +113,15 @@ def test_sleep_frees_the_gpu_and_wake_resumes_exactly(trainers):
 def test_offloaded_reference_equals_the_copy_on_gpu(trainers) -> None:
     _, make = trainers
     batch = make_batch()
-    copy = make(lr=1e-3, ref_model=True, ref_mode="copy")
-    offload = make(lr=1e-3, ref_model=True, ref_mode="offload")
+    copy = make(lr=1e-3, reference=True, ref_mode="copy")
+    offload = make(lr=1e-3, reference=True, ref_mode="offload")
     for _ in range(2):
         a, b = copy.logprobs(batch), offload.logprobs(batch)
-        np.testing.assert_array_equal(a["ref_logprobs"], b["ref_logprobs"])
-        np.testing.assert_array_equal(a["logprobs"], b["logprobs"])
+        np.testing.assert_array_equal(a.ref_logprobs, b.ref_logprobs)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
         copy.train_step(batch, sft)
         offload.train_step(batch, sft)
-    assert np.abs(a["ref_logprobs"] - a["logprobs"]).max() > 1e-4
+    assert np.abs(a.ref_logprobs - a.logprobs).max() > 1e-4
 
 
 def _mse(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

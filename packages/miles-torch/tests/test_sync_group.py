@@ -7,8 +7,9 @@ import socket
 
 import torch
 
-from miles.core.checksum import tensors_checksum
-from miles.core.weight_sync import SyncGroup, meta_of, plan_buckets
+from miles.core.weight_sync import plan_buckets
+from miles.torch.sync.checksum import tensors_checksum
+from miles.torch.sync.group import SyncGroup, meta_of
 
 
 def _weights() -> list[tuple[str, torch.Tensor]]:

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from miles.core import ipc
-from miles.core.checksum import tensors_checksum
-from miles.core.weight_sync import SyncPlan, TensorMeta, meta_of, plan_buckets
+from miles.core.weight_sync import SyncPlan, TensorMeta, plan_buckets
+from miles.torch.sync import ipc
+from miles.torch.sync.checksum import tensors_checksum
+from miles.torch.sync.group import meta_of
 
 torch.set_num_threads(1)
 

@@ -1,32 +1,62 @@
-"""miles-torch's plugin module: the embedded default backends."""
+"""miles-torch's plugin module: the embedded default backends, and the tokenizer loader."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-from miles.core import ComponentSpec, Kind, hookimpl
+from miles.core import Capability, ComponentSpec, Kind, hookimpl
+from miles.core.backends import RolloutSetup, TrainSetup
 from miles.torch.engine.config import TorchEngineConfig
+from miles.torch.engine.memory import torch_engine_memory
+from miles.torch.train.checks import fsdp_run_checks
 from miles.torch.train.config import FSDPConfig
+from miles.torch.train.memory import fsdp_memory
+
+TORCH_ENGINE_CAPABILITIES = frozenset(
+    {
+        Capability.COLOCATE,
+        Capability.ROUTING_RECORD,
+        Capability.QUANTIZED_ROLLOUT,
+        Capability.LORA_ADAPTERS,
+        Capability.PARTIAL_ROLLOUT,
+    }
+)
+FSDP_CAPABILITIES = frozenset(
+    {
+        Capability.COLOCATE,
+        Capability.CRITIC,
+        Capability.REFERENCE,
+        Capability.LORA,
+        Capability.ROUTING_REPLAY,
+    }
+)
 
 
-def make_engine(config: TorchEngineConfig, model_path: str, *, device: str, seed: int) -> Any:
+def make_engine(config: TorchEngineConfig, setup: RolloutSetup) -> Any:
     from miles.torch.engine.engine import TorchRolloutEngine
 
+    if setup.device == "cpu" and setup.cpu_threads:
+        import torch
+
+        torch.set_num_threads(setup.cpu_threads)
     return TorchRolloutEngine(
-        model_path,
-        device=device,
-        dtype=config.dtype,
+        setup.model_path,
+        device=setup.device,
+        dtype=config.dtype or setup.precision.rollout_dtype,
         max_batch_size=config.max_batch_size,
-        seed=seed,
-        record_routing=config.record_routing,
+        seed=setup.seed,
+        record_routing=setup.record_routing,
+        precision=setup.precision,
+        lora=setup.lora,
+        sync_timeout_s=setup.sync_timeout_s,
     )
 
 
-def make_trainer(config: FSDPConfig, model_path: str, **kwargs: Any) -> Any:
+def make_trainer(config: FSDPConfig, setup: TrainSetup) -> Any:
     from miles.torch.train.fsdp import FSDPTrainer
 
-    return FSDPTrainer(config, model_path, **kwargs)
+    return FSDPTrainer(config, setup)
 
 
 @hookimpl
@@ -38,6 +68,8 @@ def miles_register_rollout_backends() -> Iterable[ComponentSpec]:
             make_engine,
             "native PyTorch engine: batched generation with a KV cache over HF models",
             TorchEngineConfig,
+            capabilities=TORCH_ENGINE_CAPABILITIES,
+            memory=torch_engine_memory,
         )
     ]
 
@@ -51,5 +83,15 @@ def miles_register_train_backends() -> Iterable[ComponentSpec]:
             make_trainer,
             "FSDP2 (fully_shard) over N ranks: gloo on CPU, NCCL on GPU",
             FSDPConfig,
+            capabilities=FSDP_CAPABILITIES,
+            memory=fsdp_memory,
+            check=fsdp_run_checks,
         )
     ]
+
+
+@hookimpl
+def miles_load_tokenizer(model_path: str) -> Any:
+    from miles.torch.models import load_tokenizer
+
+    return load_tokenizer(model_path)

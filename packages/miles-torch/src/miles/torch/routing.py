@@ -1,10 +1,11 @@
-"""MoE routing replay: record the experts the rollout engine chose, make the trainer use them.
+"""MoE routing replay in torch: record the experts the rollout engine chose, make the trainer
+use them.
 
-A model family's `RouterAdapter` knows two things about an architecture: where its routers are
-(one per MoE layer, in layer order) and how it turns router logits into gate weights for a given
-set of experts. Every transformers router we support returns `(logits, gate_weights,
-expert_indices)` for the flattened tokens of a forward; recording and replay are forward hooks on
-those routers, so the model code itself is untouched.
+A model family's `RouterAdapter` (miles.core.family) knows two things about an architecture: where
+its routers are (one per MoE layer, in layer order) and how it turns router logits into gate
+weights for a given set of experts. Every transformers router we support returns `(logits,
+gate_weights, expert_indices)` for the flattened tokens of a forward; recording and replay are
+forward hooks on those routers, so the model code itself is untouched.
 
 - `RoutingRecorder` (engine side) keeps each router's indices (and weights) per forward.
 - `RoutingReplay` (trainer side) swaps the router's choice for the recorded one: `ids` recomputes
@@ -23,37 +24,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any
 
 import numpy as np
+import torch
 
-from miles.core.family import ModelFamily as ModelFamily
-from miles.core.family import family_for, read_config, text_config
-
-if TYPE_CHECKING:
-    import torch
-
-ReplayMode = Literal["off", "ids", "ids+weights"]
-
-
-class RouterAdapter(Protocol):
-    def routers(self, model: Any) -> list[Any]:
-        """The router module of every MoE layer, in layer order (dense layers skipped)."""
-        ...
-
-    def gate_weights(
-        self, router: Any, logits: torch.Tensor, indices: torch.Tensor
-    ) -> torch.Tensor:
-        """The gate weights the router would give `indices` ([tokens, top_k]) from `logits`."""
-        ...
+from miles.core.config import ReplayMode
+from miles.core.families import family_of_config
+from miles.core.family import RouterAdapter
 
 
 def router_adapter(model: Any, setting: str) -> RouterAdapter | None:
     """The router adapter for a loaded model, through its family; None for a model without one.
     `setting` names what asked for it, for the error when a family cannot serve it."""
-    from miles.core.plugins import get_plugin_manager
-
-    family = family_for(get_plugin_manager(), model.config.model_type)
+    family = family_of_config(model.config.to_dict())
     if family is None or family.router is None:
         if setting.endswith("'off'"):
             return None
@@ -64,56 +48,9 @@ def router_adapter(model: Any, setting: str) -> RouterAdapter | None:
     return family.router
 
 
-def model_type_of(model_path: str) -> str | None:
-    """config.json's model_type of a local checkpoint (a multimodal wrapper: its text model's);
-    None for a hub id or a directory without one."""
-    config = read_config(model_path)
-    if config is None:
-        return None
-    model_type = text_config(config).get("model_type") or config.get("model_type")
-    return str(model_type) if model_type else None
-
-
-def record_mode(manager: Any, model_path: str, replay: ReplayMode) -> ReplayMode:
-    """What engines record: every MoE model with a router adapter records expert ids (so the
-    trainer can report `moe/routing_agreement` even with replay off); weights only when
-    replayed."""
-    model_type = model_type_of(model_path)
-    family = family_for(manager, model_type) if model_type else None
-    if family is None or family.router is None:
-        return "off"
-    return "ids+weights" if replay == "ids+weights" else "ids"
-
-
-def check_replay(manager: Any, model_path: str, replay: ReplayMode) -> str | None:
-    """Why `replay` cannot work on this model (before launch), or None."""
-    if replay == "off":
-        return None
-    model_type = model_type_of(model_path)
-    if model_type is None:
-        return None  # a hub id: the engines say so at load time
-    family = family_for(manager, model_type)
-    if family is None:
-        return (
-            f"moe.routing_replay: no installed model family covers model_type {model_type!r}, so "
-            "nothing knows its routers; use moe.routing_replay: off, or add a family with a "
-            "router adapter (see docs/moe-routing-replay.md)"
-        )
-    if family.router is None:
-        return (
-            f"moe.routing_replay: model.path is a dense {model_type!r} model (family "
-            f"{family.name!r} has no MoE router); use moe.routing_replay: off"
-        )
-    return None
-
-
 def index_dtype(num_experts: int) -> np.dtype[Any]:
     """The smallest signed integer dtype that holds 0..num_experts-1 and -1."""
     return np.dtype(np.min_scalar_type(-max(num_experts, 1)))
-
-
-def _text_model(model: Any) -> Any:
-    return getattr(model, "model", model)
 
 
 @dataclass
@@ -147,8 +84,6 @@ class RoutingRecorder:
     def take(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([tokens, layers, top_k] indices, [tokens, layers, top_k] weights or None) of the
         forward that just ran; clears the capture."""
-        import torch
-
         capture, self._capture = self._capture, _Capture()
         if len(capture.indices) != self.num_layers:
             raise RuntimeError(
@@ -200,8 +135,6 @@ class RoutingReplay:
             self._indices = self._weights = None
 
     def _hook(self, module: Any, args: Any, output: Any) -> Any:
-        import torch
-
         if self._indices is None:
             return output
         logits, live_weights, live = output

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import string
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = SPECIAL_TOKENS
@@ -39,7 +40,7 @@ def _vocab(vocab_size: int) -> dict[str, int]:
     return {tok: i for i, tok in enumerate(tokens)}
 
 
-def make_tokenizer(vocab_size: int):
+def make_tokenizer(vocab_size: int) -> Any:
     """A character-level `PreTrainedTokenizerFast` with exactly `vocab_size` ids."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -59,7 +60,7 @@ def make_tokenizer(vocab_size: int):
     )
 
 
-def tiny_config(arch: str, vocab_size: int, **overrides):
+def tiny_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
     """A few-layer config for `arch` ("qwen3", "qwen3_moe" or "deepseek_v3"); `overrides`
     replace any field."""
     from transformers import Qwen3Config, Qwen3MoeConfig
@@ -120,7 +121,7 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
 
 
 def make_tiny_model(
-    path: str | Path, arch: str = "qwen3", vocab_size: int = 128, seed: int = 0, **overrides
+    path: str | Path, arch: str = "qwen3", vocab_size: int = 128, seed: int = 0, **overrides: Any
 ) -> str:
     """Write a random-weight checkpoint (fp32 safetensors + tokenizer) to `path`; return the path.
 
@@ -142,3 +143,37 @@ def make_tiny_model(
     model.save_pretrained(path)
     make_tokenizer(vocab_size).save_pretrained(path)
     return str(path)
+
+
+def make_trainer(
+    model_path: str,
+    *,
+    master_port: int,
+    rank: int = 0,
+    world_size: int = 1,
+    device: str = "cpu",
+    **options: Any,
+) -> Any:
+    """An `FSDPTrainer` for tests and benchmarks: `options` are FSDPConfig fields and
+    TrainSetup fields alike (reference=True, critic=True, lora=LoRAConfig(...), ...); the
+    precision defaults to fp32."""
+    import dataclasses
+
+    from miles.core.backends import TrainSetup
+    from miles.precision.dtype import fp32
+    from miles.torch.train.config import FSDPConfig
+    from miles.torch.train.fsdp import FSDPTrainer
+
+    setup_fields = {f.name for f in dataclasses.fields(TrainSetup)}
+    setup = TrainSetup(
+        model_path=model_path,
+        rank=rank,
+        world_size=world_size,
+        master_addr="127.0.0.1",
+        master_port=master_port,
+        device=device,
+        seed=options.pop("seed", 0),
+        precision=options.pop("precision", None) or fp32(),
+        **{k: options.pop(k) for k in list(options) if k in setup_fields},
+    )
+    return FSDPTrainer(FSDPConfig(**options), setup)

@@ -16,7 +16,7 @@ Two layouts, chosen per model by `batching_mode`:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +109,7 @@ class Batch:
         if not indices:
             return
         # Rows of every state each layer keeps, by transformers' own (beam-search) reorder.
-        self.cache.reorder_cache(idx)
+        self.cache.reorder_cache(cast(torch.LongTensor, idx))
         start = int(self.mask.any(dim=0).int().argmax())
         self.mask = self.mask[:, start:]
         if start:
@@ -121,13 +121,16 @@ class Batch:
         if not (self.padded and other.padded):
             raise ValueError("only padded batches can be merged")
         length = max(self.mask.shape[1], other.mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            if isinstance(mine, DynamicLayer) and mine.keys is not None:
-                mine.keys = torch.cat(
-                    [_left_pad(mine.keys, length), _left_pad(theirs.keys, length)]
-                )
+        # Cache layer classes differ between transformers versions: typed loosely here.
+        layers: list[tuple[Any, Any]] = list(
+            zip(self.cache.layers, other.cache.layers, strict=True)
+        )
+        for mine, theirs in layers:
+            keys, values = getattr(mine, "keys", None), getattr(mine, "values", None)
+            if isinstance(mine, DynamicLayer) and keys is not None and values is not None:
+                mine.keys = torch.cat([_left_pad(keys, length), _left_pad(theirs.keys, length)])
                 mine.values = torch.cat(
-                    [_left_pad(mine.values, length), _left_pad(theirs.values, length)]
+                    [_left_pad(values, length), _left_pad(theirs.values, length)]
                 )
             if isinstance(mine, DynamicIndexedLayer):
                 _merge_indexer(mine, theirs, length)
@@ -164,7 +167,7 @@ def _cat_states(mine: Any, theirs: Any) -> None:
             mine[key] = torch.cat([mine[key], theirs[key]])
 
 
-def _merge_indexer(mine: DynamicIndexedLayer, theirs: DynamicIndexedLayer, length: int) -> None:
+def _merge_indexer(mine: Any, theirs: Any, length: int) -> None:
     if mine.is_indexer_initialized and mine.indexer_keys.numel():
         mine.indexer_keys = torch.cat(
             [_left_pad(mine.indexer_keys, length, 1), _left_pad(theirs.indexer_keys, length, 1)]

@@ -24,9 +24,11 @@ import structlog
 import torch
 from transformers import DynamicCache
 
-from miles.core.checksum import tensors_checksum
-from miles.core.routing import index_dtype
+from miles.core.backends import Precision
+from miles.core.config import LoRAConfig, ReplayMode
 from miles.core.types import GenerateRequest, GenerateResult
+from miles.core.weight_sync import SyncPlan
+from miles.precision.lora import AdapterApplier
 from miles.torch.engine.batch import Batch, Row, batching_mode
 from miles.torch.engine.loader import (
     cache_kwarg,
@@ -36,15 +38,16 @@ from miles.torch.engine.loader import (
     resolve_dtype,
 )
 from miles.torch.engine.sampler import SamplingTensors, sample
+from miles.torch.routing import RoutingRecorder, index_dtype, router_adapter
+from miles.torch.sync.checksum import tensors_checksum
+from miles.torch.sync.receiver import WeightReceiver
 from miles.torch.weights import named_state
 
 
-def _routing_recorder(model: Any, mode: str) -> Any:
+def _routing_recorder(model: Any, mode: ReplayMode) -> RoutingRecorder | None:
     """A RoutingRecorder on the model's MoE routers (through its family's adapter), or None."""
     if mode == "off":
         return None
-    from miles.core.routing import RoutingRecorder, router_adapter
-
     adapter = router_adapter(model, f"record_routing={mode!r}")
     assert adapter is not None  # router_adapter raises unless the setting is 'off'
     return RoutingRecorder(model, adapter, with_weights=mode == "ids+weights")
@@ -66,6 +69,9 @@ class TorchRolloutEngine:
 
     `release_memory` moves the weights to CPU and empties the CUDA cache; on a CPU engine there
     is nothing to free and it only marks the engine released. `generate` refuses while released.
+
+    Weight sync goes through a `WeightReceiver`: it decodes a quantized `precision` the engine
+    has no kernel for, and with `lora` (sync: adapters) applies the adapters that arrive.
     """
 
     def __init__(
@@ -76,7 +82,10 @@ class TorchRolloutEngine:
         dtype: str = "float32",
         max_batch_size: int = 64,
         seed: int = 0,
-        record_routing: str = "off",
+        record_routing: ReplayMode = "off",
+        precision: Precision | None = None,
+        lora: LoRAConfig | None = None,
+        sync_timeout_s: float = 600.0,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -93,7 +102,17 @@ class TorchRolloutEngine:
         self._released = False
         self._lock = threading.Lock()  # one model step, weight load or offload at a time
         self._recorder = _routing_recorder(self.model, record_routing)
-        self._adapters: Any = None  # LoRA adapters applied on top of the loaded base
+        self._adapters: AdapterApplier | None = None  # LoRA adapters on the loaded base
+        self._receiver = WeightReceiver(
+            model_path=model_path,
+            dtype=self.model.dtype,
+            device=self.device,
+            load=self.load_weights,
+            apply_adapters=self.apply_adapters,
+            precision=precision,
+            lora=lora,
+            timeout_s=sync_timeout_s,
+        )
         experts = getattr(self.model.config, "num_experts", None) or getattr(
             self.model.config, "num_local_experts", None
         )
@@ -109,7 +128,7 @@ class TorchRolloutEngine:
         return self._weight_version
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         return self._tokenizer
 
     def generate(self, requests: list[GenerateRequest]) -> Iterator[GenerateResult]:
@@ -258,7 +277,8 @@ class TorchRolloutEngine:
                 if weights is not None:
                     row.routing_weights.append(weights[i : i + 1])
         batch.positions = batch.positions + 1
-        return out.logits[:, -1]
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
 
     def _finish_reason(self, row: Row) -> str | None:
         sampling = row.request.sampling
@@ -316,8 +336,6 @@ class TorchRolloutEngine:
     ) -> None:
         """`lora.sync: adapters`: weight = base + scaling * B @ A for each adapted module, from
         the base this engine loaded (kept aside the first time: one copy per adapted weight)."""
-        from miles.precision.lora import AdapterApplier
-
         with self._lock:
             if self._adapters is None:
                 self._adapters = AdapterApplier(self.model, scaling)
@@ -325,7 +343,18 @@ class TorchRolloutEngine:
             if version is not None:
                 self._weight_version = version
 
+    def join_weight_sync(self, host: str, port: int, world_size: int, rank: int) -> None:
+        self._receiver.join(host, port, world_size, rank)
+
+    def receive_weights(self, plan: SyncPlan, version: int) -> None:
+        self._receiver.receive(plan, version)
+
+    def load_bucket(self, plan: SyncPlan, index: int, handle: Any) -> None:
+        self._receiver.load_bucket(plan, index, handle)
+
     def set_weight_version(self, version: int) -> None:
+        """Ends a sync (an in-place one applies its adapters now) at `version`."""
+        self._receiver.finish()
         with self._lock:
             self._weight_version = version
 
@@ -378,11 +407,15 @@ class TorchRolloutEngine:
             self._released = False
 
     def health(self) -> dict[str, Any]:
-        return {
+        health = {
             "ok": True,
             "device": str(self.device),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
             "weight_version": self._weight_version,
             "model": self.model_path,
             "paused": self._paused,
             "released": self._released,
         }
+        if self._receiver.report is not None:
+            health["weights_format"] = self._receiver.report
+        return health

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from miles.core.family import load_tokenizer
-from miles.torch.models import load_causal_lm
+from miles.torch.models import load_causal_lm, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,7 +20,7 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_model(model_path: str, device: torch.device, dtype: torch.dtype):
+def load_model(model_path: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
     """(model, tokenizer) from a local directory or hub id; the model in eval mode, no grads."""
     model = load_causal_lm(model_path, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
@@ -28,7 +28,7 @@ def load_model(model_path: str, device: torch.device, dtype: torch.dtype):
     return model, tokenizer
 
 
-def eos_token_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:
+def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
     """Token ids that end every sequence: the tokenizer's eos plus the generation config's."""
     ids = {tokenizer.eos_token_id}
     config_eos = getattr(model.generation_config, "eos_token_id", None)

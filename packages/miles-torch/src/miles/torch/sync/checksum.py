@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
 
 def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
     """sha256 over (name, dtype, shape, raw bytes)."""
-    import torch
-
     t = tensor.detach()
     digest = hashlib.sha256(
         f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode()

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
-    from miles.core.weight_sync import Bucket
+from miles.core.weight_sync import Bucket
 
 # Position of the device index in the arguments `reduce_tensor` returns for a CUDA tensor
 # (`rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, storage_device,
@@ -70,8 +70,6 @@ def pack_bucket(
     Each tensor is copied straight into its slice: no per-tensor temporaries, which matters when
     the trainer and an engine share a GPU's memory.
     """
-    import torch
-
     flat = torch.empty(bucket.numel, dtype=getattr(torch, bucket.dtype), device=device)
     offset = 0
     for meta in bucket.tensors:
@@ -95,8 +93,6 @@ def pack_bucket(
 def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, view into `flat`) in plan order; the views share `flat`'s memory. Checks the size
     and dtype at once, before any view is taken."""
-    import torch
-
     if (
         flat.dim() != 1
         or flat.numel() != bucket.numel
@@ -119,12 +115,9 @@ def _views(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tens
 def share(flat: torch.Tensor) -> IpcHandle:
     """A handle another process on the same host can `open`. Call it on the stream that wrote
     `flat`: torch records an event there, and the receiver waits on it before reading."""
-    import torch
-    from torch.multiprocessing.reductions import reduce_tensor
-
     if flat.device.type != "cuda":
         return IpcHandle(tensor=flat)
-    rebuild, args = reduce_tensor(flat.detach())  # type: ignore[no-untyped-call]
+    rebuild, args = reduce_tensor(flat.detach())
     uuid = str(torch.cuda.get_device_properties(flat.device).uuid)
     return IpcHandle(rebuild=rebuild, args=tuple(args), device_uuid=uuid)
 
@@ -161,8 +154,6 @@ def consume(
 
     Returning is the sender's signal that it may free or reuse the bucket.
     """
-    import torch
-
     flat = open(handle)
     load(unpack_bucket(bucket, flat))
     if flat.is_cuda:
@@ -174,8 +165,6 @@ def consume(
 
 def _device_of(uuid: str) -> int:
     """This process's index of the GPU with `uuid`."""
-    import torch
-
     for index in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(index).uuid) == uuid:
             return index

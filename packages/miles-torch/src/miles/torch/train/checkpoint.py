@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 MODEL_FILE = "model.safetensors"
@@ -97,3 +98,32 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def gather_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> dict[str, torch.Tensor]:
+    """Full optimizer state as "<param>/<key>" tensors, on rank 0 (empty elsewhere). Collective."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        for key, value in optimizer.state.get(param, {}).items():
+            gathered = full_tensor(value)
+            if rank == 0:
+                out[f"{name}/{key}"] = gathered.cpu().contiguous()
+    return out
+
+
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, file: Path) -> None:
+    """Replace `optimizer`'s state by that in `file` (as `_gather_optimizer` wrote it)."""
+    optimizer.state.clear()
+    with safe_open(str(file), framework="pt") as f:
+        keys = set(f.keys())
+        for name, param in model.named_parameters():
+            entries = {k.split("/", 1)[1] for k in keys if k.startswith(name + "/")}
+            st: dict[str, torch.Tensor] = {}
+            for key in entries:
+                value = f.get_tensor(f"{name}/{key}")
+                # "step" is a CPU scalar in AdamW; moments are shaped and sharded like the param.
+                st[key] = value if key == "step" else shard_like(value, param)
+            if st:
+                optimizer.state[param] = st

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16")
@@ -20,7 +19,7 @@ class FSDPConfig:
         1.0  # max global grad norm; <= 0 turns clipping off (the norm is still reported)
     )
     # Linear warmup over `warmup_steps`, then the schedule down to `min_lr_ratio * lr` at
-    # `total_steps` (linear and cosine need it; constant ignores it).
+    # `total_steps` (0: the run's optimizer steps, warm-start included; constant ignores it).
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     total_steps: int = 0
@@ -29,25 +28,13 @@ class FSDPConfig:
     micro_batch_tokens: int = 8192
     # Compute dtype of forward and backward; "bfloat16" is FSDP2 mixed precision (fp32 grad reduce).
     dtype: str = "float32"
-    # Keep a frozen copy of the initial weights, so `logprobs` also returns "ref_logprobs" (for KL).
-    ref_model: bool = False
-    # How the reference policy is held: "copy", a frozen sharded copy on the device (fast, one
-    # more model of memory); "offload", its weight shards in host memory, swapped into the policy
-    # model for the reference forward (no extra device memory, two host<->device copies a step).
+    # How the reference policy (a KL term) is held: "copy", a frozen sharded copy on the device
+    # (fast, one more model of memory); "offload", its weight shards in host memory, swapped into
+    # the policy model for the reference forward (no extra device memory, two host<->device
+    # copies a step).
     ref_mode: str = "copy"
-    # MoE routing replay (set from the run's moe.routing_replay): "ids" routes every token through
-    # the experts the rollout engine recorded, "ids+weights" takes their gate weights too; "off"
-    # only measures how often the trainer's router agrees with the record.
-    routing_replay: str = "off"
-    # LoRA (set from the run's `lora` section): {rank, alpha, dropout, targets, sync}; None: off.
-    lora: dict[str, Any] | None = None
-    # Logprobs are those of log_softmax(logits / temperature): must match the rollout's sampling.
-    temperature: float = 1.0
     attn_implementation: str = "sdpa"
-    # Train a critic (value model) beside the policy, for advantage estimators that need values
-    # (PPO with GAE): the same checkpoint with a scalar head, sharded and scheduled like the
-    # policy, with its own AdamW at `critic_lr` (None: `lr`).
-    critic: bool = False
+    # The critic's AdamW learning rate (None: `lr`), when the run trains one (PPO with GAE).
     critic_lr: float | None = None
     # Recompute each decoder layer in backward instead of storing its activations.
     activation_checkpointing: bool = False
@@ -57,19 +44,16 @@ class FSDPConfig:
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
-        if self.lr_schedule != "constant" and self.total_steps <= self.warmup_steps:
-            raise ValueError(
-                f"lr_schedule {self.lr_schedule!r} needs total_steps > warmup_steps, "
-                f"got total_steps={self.total_steps}, warmup_steps={self.warmup_steps}"
-            )
+        if self.total_steps < 0:
+            raise ValueError(f"total_steps must be >= 0, got {self.total_steps}")
+        if self.lr_schedule != "constant" and 0 < self.total_steps <= self.warmup_steps:
+            raise ValueError(schedule_problem(self, self.total_steps))
         if self.ref_mode not in ("copy", "offload"):
             raise ValueError(f"ref_mode must be 'copy' or 'offload', got {self.ref_mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.micro_batch_tokens <= 0:
             raise ValueError(f"micro_batch_tokens must be positive, got {self.micro_batch_tokens}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError("warmup_steps must be >= 0 and min_lr_ratio in [0, 1]")
         if self.critic_lr is not None and self.critic_lr < 0:
@@ -77,3 +61,10 @@ class FSDPConfig:
         if len(self.betas) != 2:
             raise ValueError(f"betas must be two numbers, got {self.betas!r}")
         self.betas = (float(self.betas[0]), float(self.betas[1]))  # YAML gives a list
+
+
+def schedule_problem(config: FSDPConfig, total_steps: int) -> str:
+    return (
+        f"lr_schedule {config.lr_schedule!r} needs total_steps > warmup_steps, got "
+        f"total_steps={total_steps}, warmup_steps={config.warmup_steps}"
+    )

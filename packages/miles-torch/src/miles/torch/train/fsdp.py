@@ -9,9 +9,12 @@ work the same way and all-reduces the results, so each rank returns the full arr
 Gradients are summed over ranks, not averaged: `loss_weights` already fold the aggregation over
 the global batch, so the summed gradient is exactly that of the one-shot global loss.
 
-With `critic` on, a value model (the same checkpoint with a one-output token-classification head)
-is sharded, checkpointed, slept and woken just like the policy, and trained by `train_value_step`
-with its own optimizer and step count.
+With `TrainSetup.critic`, a value model (the same checkpoint with a one-output token-classification
+head) is sharded, checkpointed, slept and woken just like the policy, and trained by
+`train_value_step` with its own optimizer and step count.
+
+Weight sync (the plan, the broadcast or in-place transfer, the checksum) is `WeightSender`'s, over
+this trainer's full tensors under their Hugging Face names.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import dataclasses
 import gc
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,23 +32,28 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForTokenClassification
 
+from miles.core.backends import BucketDelivery, LogprobResult, TrainSetup
+from miles.core.config import ReplayMode
 from miles.core.protocols import LossInputs, PolicyLoss
 from miles.core.types import PackedBatch
+from miles.core.weight_sync import SyncPlan
+from miles.precision.lora import apply_lora, merge_named
 from miles.torch.models import load_causal_lm
+from miles.torch.routing import RoutingReplay, router_adapter
+from miles.torch.sync.sender import WeightSender, WeightView
 from miles.torch.train import checkpoint as ckpt
-from miles.torch.train.config import FSDPConfig
+from miles.torch.train.config import FSDPConfig, schedule_problem
+from miles.torch.train.distributed import init_process_group, resolve_device
+from miles.torch.train.layers import decoder_layers, recompute_in_backward
 from miles.torch.train.logprobs import token_logprobs
 from miles.torch.train.microbatch import MicroBatch, shard_micro_batches
 from miles.torch.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
-from miles.torch.train.values import token_values
+from miles.torch.train.values import load_critic, token_values
 from miles.torch.weights import named_state
 
 CHECKPOINT_FORMAT = 1
@@ -62,40 +70,34 @@ class FSDPTrainer:
     logprobs of a train step equal those `logprobs` recomputes.
     """
 
-    def __init__(
-        self,
-        cfg: FSDPConfig,
-        model_path: str,
-        *,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        device: str = "cpu",
-        seed: int = 0,
-        model_converter: Callable[[torch.nn.Module], Any] | None = None,
-    ) -> None:
-        self.cfg, self.model_path = cfg, model_path
-        # A precision's model conversion (e.g. fp8 / int4 training linears), before sharding.
-        self._convert = model_converter
-        self.rank, self.world_size = rank, world_size
-        self.device = _resolve_device(device)
-        self._owns_process_group = _init_process_group(
-            self.device, master_addr, master_port, rank, world_size
+    def __init__(self, cfg: FSDPConfig, setup: TrainSetup) -> None:
+        total_steps = cfg.total_steps or setup.total_steps
+        if cfg.lr_schedule != "constant" and total_steps <= cfg.warmup_steps:
+            raise ValueError(schedule_problem(cfg, total_steps))
+        self.cfg = dataclasses.replace(cfg, total_steps=total_steps)
+        self.setup, self.model_path = setup, setup.model_path
+        self.rank, self.world_size = setup.rank, setup.world_size
+        self.lora, self.temperature = setup.lora, setup.temperature
+        self.device = resolve_device(setup.device)
+        if self.device.type == "cpu" and setup.cpu_threads:
+            torch.set_num_threads(setup.cpu_threads)
+        self._owns_process_group = init_process_group(
+            self.device, setup.master_addr, setup.master_port, self.rank, self.world_size
         )
-        torch.manual_seed(seed)
-        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        torch.manual_seed(setup.seed)
+        seed, model_path = setup.seed, setup.model_path
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Hugging Face models that fully_shard turned into FSDPModules as well.
         self.model: Any
         self.model, self._layer_prefixes = self._build_model(model_path, trainable=True)
         self.ref_model: Any = None
         self._ref_shards: list[torch.Tensor] | None = None
-        if cfg.ref_model and cfg.ref_mode == "copy":
+        if setup.reference and cfg.ref_mode == "copy":
             self.ref_model = self._build_model(model_path, trainable=False)[0]
-        elif cfg.ref_model:  # "offload": this rank's shards of the initial weights, on the host
+        elif setup.reference:  # "offload": this rank's shards of the initial weights, on the host
             self._ref_shards = [_host_copy(_local(p)) for p in self.model.parameters()]
         self.optimizer = build_optimizer(self.model.parameters(), cfg)
-        self.replay = _routing_replay(self.model, cfg.routing_replay)
+        self.replay = _routing_replay(self.model, setup.routing_replay)
         self.step = 0  # optimizer steps taken; the LR schedule's whole state
         # The critic, if any: its own optimizer and step count (its steps may be skipped apart
         # from the policy's), on the policy's LR schedule scaled to `critic_lr`.
@@ -103,11 +105,12 @@ class FSDPTrainer:
         self.critic_optimizer: torch.optim.AdamW | None = None
         self.critic_step = 0
         self.critic_lr = cfg.lr if cfg.critic_lr is None else cfg.critic_lr
-        if cfg.critic:
+        if setup.critic:
             self.critic, self._critic_layer_prefixes = self._build_model(
                 model_path, trainable=True, critic=True, seed=seed
             )
             self.critic_optimizer = build_optimizer(self.critic.parameters(), cfg, self.critic_lr)
+        self.weights = WeightSender(self.named_weights, setup, self.device)
         self._closed = False
 
     # -- model ------------------------------------------------------------------------------
@@ -117,21 +120,19 @@ class FSDPTrainer:
     ) -> tuple[torch.nn.Module, list[str]]:
         """The sharded model and its decoder layers' name prefixes (see `_groups`)."""
         attn = self.cfg.attn_implementation
-        model = (_load_hf_critic(path, attn, seed) if critic else _load_hf_model(path, attn)).eval()
-        if self._convert is not None and not critic:
-            self._convert(model)
-        if trainable and not critic and self.cfg.lora is not None:
-            from miles.precision.lora import LoRAConfig, apply_lora
-
-            apply_lora(model, LoRAConfig(**self.cfg.lora))  # base frozen; adapters train
-        layers = _decoder_layers(model)
+        model = (load_critic(path, attn, seed) if critic else _load_hf_model(path, attn)).eval()
+        if not critic:  # a precision's own layers (e.g. fp8 / int4 training linears)
+            self.setup.precision.convert_model(model)
+        if trainable and not critic and self.lora is not None:
+            apply_lora(model, self.lora)  # base frozen; adapters train
+        layers = decoder_layers(model)
         ids = {id(layer) for layer in layers}
         prefixes = [f"{n}." for n, m in model.named_modules() if id(m) in ids]
         if not trainable:
             model.requires_grad_(False)
         elif self.cfg.activation_checkpointing:
             for layer in layers:
-                _checkpoint_forward(layer)
+                recompute_in_backward(layer)
         compute = None if self.cfg.dtype == "float32" else torch.bfloat16
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         for layer in layers:
@@ -154,17 +155,16 @@ class FSDPTrainer:
 
     def _require_critic(self) -> Any:
         if self.critic is None:
-            raise RuntimeError("this trainer has no critic: set FSDPConfig.critic")
+            raise RuntimeError("this trainer has no critic: build it with TrainSetup(critic=True)")
         return self.critic
 
     # -- forward passes ---------------------------------------------------------------------
 
     @torch.no_grad()
-    def logprobs(self, batch: PackedBatch) -> dict[str, Any]:
-        """{"logprobs", "entropy"[, "ref_logprobs"]}: fp32 numpy arrays aligned with batch.tokens.
-
-        Each is 0 at every sequence's first token. Every rank passes the whole batch and gets
-        the whole result.
+    def logprobs(self, batch: PackedBatch) -> LogprobResult:
+        """Logprobs, entropy (and reference logprobs): fp32 arrays aligned with batch.tokens,
+        0 at every sequence's first token; with MoE routing records, the routers' agreement
+        with them. Every rank passes the whole batch and gets the whole result.
         """
         has_ref = self.ref_model is not None or self._ref_shards is not None
         rows = 3 if has_ref else 2
@@ -173,10 +173,10 @@ class FSDPTrainer:
         for mb in micro_batches:
             idx = torch.from_numpy(mb.token_index).to(self.device)
             with self._replaying(mb, count=not mb.is_padding):
-                lp, entropy = token_logprobs(self.model, mb, self.cfg.temperature)
+                lp, entropy = token_logprobs(self.model, mb, self.temperature)
             ref = None
             if self.ref_model is not None:
-                ref, _ = token_logprobs(self.ref_model, mb, self.cfg.temperature)
+                ref, _ = token_logprobs(self.ref_model, mb, self.temperature)
             if not mb.is_padding:
                 out[0, idx], out[1, idx] = lp, entropy
                 if ref is not None:
@@ -186,17 +186,19 @@ class FSDPTrainer:
         if self._ref_shards is not None:
             with self._reference_weights():
                 for mb in micro_batches:
-                    ref, _ = token_logprobs(self.model, mb, self.cfg.temperature)
+                    ref, _ = token_logprobs(self.model, mb, self.temperature)
                     if not mb.is_padding:
                         out[2, torch.from_numpy(mb.token_index).to(self.device)] = ref
                 self.model.reshard()
         if self.world_size > 1:
             dist.all_reduce(out)  # each token was filled in by exactly one rank, 0 elsewhere
         arrays = out.cpu().numpy()
-        result = {"logprobs": arrays[0], "entropy": arrays[1]}
-        if has_ref:
-            result["ref_logprobs"] = arrays[2]
-        return result
+        return LogprobResult(
+            logprobs=arrays[0],
+            entropy=arrays[1],
+            ref_logprobs=arrays[2] if has_ref else None,
+            metrics=self._routing_metrics(),
+        )
 
     @contextmanager
     def _reference_weights(self) -> Iterator[None]:
@@ -259,7 +261,7 @@ class FSDPTrainer:
         for mb in self._micro_batches(batch):
             # Replay stays on through backward: recomputed layers route the same way.
             with self._replaying(mb):
-                lp, entropy = token_logprobs(self.model, mb, self.cfg.temperature)
+                lp, entropy = token_logprobs(self.model, mb, self.temperature)
                 inputs = self._loss_inputs(batch, weights, mb, lp, entropy)
                 per_token, metrics = loss(inputs)
                 (per_token * inputs.loss_weights).sum().backward()
@@ -374,7 +376,7 @@ class FSDPTrainer:
         finally:
             self.replay.counting = False
 
-    def routing_metrics(self) -> dict[str, float]:
+    def _routing_metrics(self) -> dict[str, float]:
         """Agreement of the trainer's own routers with the rollout record over the last
         `logprobs` call (collective); {} for a model without MoE routers or records."""
         if self.replay is None:
@@ -433,30 +435,43 @@ class FSDPTrainer:
     # -- weights and checkpoints -------------------------------------------------------------
 
     @torch.no_grad()
-    def named_weights(
-        self, merged: bool = False, base: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, view: WeightView = "sync") -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) for every parameter and persistent buffer, fp32, on this device.
 
         Names are the unwrapped Hugging Face model's `state_dict()` names; tied weights appear
-        once (under the first name, e.g. model.embed_tokens.weight). With LoRA, `lora.sync:
-        merged` (or `merged=True`) gives base + adapters under the base names, `adapters` only
-        the adapters, `base=True` the frozen base alone. Collective: every rank must iterate to the end, since each tensor is
-        all-gathered.
+        once (under the first name, e.g. model.embed_tokens.weight). With LoRA, view "sync" is
+        what `lora.sync` says (base + adapters under the base names, or the adapters alone),
+        "merged" base + adapters, "base" the frozen base alone. Collective: every rank must
+        iterate to the end, since each tensor is all-gathered.
         """
         full = ((name, ckpt.full_tensor(t)) for name, t in self._named_state())
-        if self.cfg.lora is None:
+        if self.lora is None:
             yield from full
-        elif base:  # the frozen base under its own names, adapters left out
+        elif view == "base":  # the frozen base under its own names, adapters left out
             for name, tensor in full:
                 if ".lora_" not in name:
                     yield name.replace(".base.", "."), tensor
-        elif merged or self.cfg.lora.get("sync", "merged") == "merged":
-            from miles.precision.lora import LoRAConfig, merge_named
-
-            yield from merge_named(full, LoRAConfig(**self.cfg.lora).scaling)
+        elif view == "merged" or self.lora.sync == "merged":
+            yield from merge_named(full, self.lora.scaling)
         else:
             yield from ((n, t) for n, t in full if ".lora_" in n)
+
+    # Weight sync (see `WeightSender`): every call is collective.
+
+    def weight_sync_plan(self, bucket_bytes: int) -> SyncPlan:
+        return self.weights.plan(bucket_bytes)
+
+    def join_weight_sync(self, host: str, port: int, world_size: int) -> None:
+        self.weights.join(host, port, world_size)
+
+    def send_weights(self, plan: SyncPlan) -> int:
+        return self.weights.send(plan)
+
+    def send_weights_in_place(self, plan: SyncPlan, deliver: BucketDelivery | None) -> int:
+        return self.weights.send_in_place(plan, deliver)
+
+    def weights_checksum(self, dtype: str | None) -> str:
+        return self.weights.checksum(dtype)
 
     def _named_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         return named_state(self.model)
@@ -477,7 +492,9 @@ class FSDPTrainer:
 
     def _trained(self) -> list[tuple[Any, torch.optim.Optimizer, list[str], Path]]:
         """(model, optimizer, layer prefixes, checkpoint subdirectory) of each trained model."""
-        out = [(self.model, self.optimizer, self._layer_prefixes, Path("."))]
+        out: list[tuple[Any, torch.optim.Optimizer, list[str], Path]] = [
+            (self.model, self.optimizer, self._layer_prefixes, Path("."))
+        ]
         if self.critic is not None:
             assert self.critic_optimizer is not None
             out.append(
@@ -491,15 +508,15 @@ class FSDPTrainer:
         checkpoint of its own)."""
         with ckpt.atomic_directory(path, self.rank) as tmp:
             for model, optimizer, prefixes, sub in self._trained():
-                if model is self.model and self.cfg.lora is not None:
+                if model is self.model and self.lora is not None:
                     weights = self._gather_adapters()  # the base is model.path, unchanged
                 else:
                     weights = self._gather_weights(model, prefixes)
-                optim = _gather_optimizer(model, optimizer, self.rank)
+                optim = ckpt.gather_optimizer(model, optimizer, self.rank)
                 if self.rank == 0:
                     out = tmp / sub
                     out.mkdir(exist_ok=True)
-                    lora = model is self.model and self.cfg.lora is not None
+                    lora = model is self.model and self.lora is not None
                     weights_file = ADAPTER_FILE if lora else ckpt.MODEL_FILE
                     save_file(weights, out / weights_file, metadata={"format": "pt"})
                     save_file(optim, out / ckpt.OPTIMIZER_FILE)
@@ -559,21 +576,21 @@ class FSDPTrainer:
             raise ValueError(f"{path}: checkpoint has no critic, but this trainer trains one")
         attn = self.cfg.attn_implementation
         for model, optimizer, _, sub in self._trained():
-            if model is self.model and self.cfg.lora is not None:
+            if model is self.model and self.lora is not None:
                 adapters = load_file(root / sub / ADAPTER_FILE)
                 for name, tensor in named_state(model):
                     if ".lora_" in name:
                         tensor.copy_(ckpt.shard_like(adapters[name], tensor))
-                _load_optimizer(model, optimizer, root / sub / ckpt.OPTIMIZER_FILE)
+                ckpt.load_optimizer(model, optimizer, root / sub / ckpt.OPTIMIZER_FILE)
                 continue
             # from_pretrained undoes the on-disk weight format (e.g. fuses MoE experts) for us.
             is_critic = model is self.critic
-            source = (_load_hf_critic if is_critic else _load_hf_model)(str(root / sub), attn)
+            source = (load_critic if is_critic else _load_hf_model)(str(root / sub), attn)
             full = dict(source.state_dict())
             for name, tensor in named_state(model):
                 tensor.copy_(ckpt.shard_like(full[name], tensor))
             del source, full
-            _load_optimizer(model, optimizer, root / sub / ckpt.OPTIMIZER_FILE)
+            ckpt.load_optimizer(model, optimizer, root / sub / ckpt.OPTIMIZER_FILE)
         self.step = int(state["step"])
         self.critic_step = int(state.get("critic_step", 0))
         rng_path = root / ckpt.rng_file(self.rank)
@@ -626,12 +643,13 @@ class FSDPTrainer:
         if self._closed:
             return
         self._closed = True
+        self.weights.close()
         if dist.is_initialized():
             dist.barrier()
         # Drop the sharded modules now: their FSDP state holds collective work objects, and
         # gloo can abort the process if those are only freed at interpreter exit.
         del self.optimizer, self.ref_model, self.model, self.mesh
-        del self.critic_optimizer, self.critic
+        del self.critic_optimizer, self.critic, self.weights
         gc.collect()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -643,126 +661,19 @@ class FSDPTrainer:
 ADAPTER_FILE = "adapter.safetensors"  # with LoRA, the checkpoint's only model weights
 
 
-def _routing_replay(model: Any, mode: str) -> Any:
+def _routing_replay(model: Any, mode: ReplayMode) -> RoutingReplay | None:
     """A RoutingReplay over `model`'s MoE routers (with mode "off" it only measures agreement);
     None for a model without a router adapter (replay on such a model is refused before launch)."""
-    from miles.core.routing import RoutingReplay, router_adapter
-
     adapter = router_adapter(model, f"routing_replay={mode!r}")
-    return None if adapter is None else RoutingReplay(model, adapter, mode)  # type: ignore[arg-type]
-
-
-def _resolve_device(device: str) -> torch.device:
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(dev)
-    return dev
-
-
-def _init_process_group(
-    device: torch.device, addr: str, port: int, rank: int, world_size: int
-) -> bool:
-    """Join (or reuse) the default process group; True if this call created it."""
-    if dist.is_initialized():
-        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
-            raise RuntimeError(
-                f"process group already initialized as rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}, not {rank} of {world_size}"
-            )
-        return False
-    # CPU collectives (barriers, checkpoint sync) go over gloo even on GPU trainers.
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size
-    )
-    return True
+    return None if adapter is None else RoutingReplay(model, adapter, mode)
 
 
 def _load_hf_model(path: str, attn_implementation: str) -> torch.nn.Module:
     # fp32 master weights on CPU; fully_shard moves each rank's shard to the mesh's device.
-    return load_causal_lm(path, dtype=torch.float32, attn_implementation=attn_implementation)
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules Hugging Face marks as unsplittable (the decoder layers): one FSDP unit each."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} declares no _no_split_modules to shard by")
-    return layers
-
-
-def _checkpoint_forward(layer: torch.nn.Module) -> None:
-    """Recompute `layer` in backward. It stays inside the layer's FSDP unit: the recompute runs
-    while FSDP has the layer's weights gathered for its backward."""
-    inner = layer.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    layer.forward = forward
-
-
-def _load_hf_critic(path: str, attn_implementation: str, seed: int = 0) -> torch.nn.Module:
-    """The value model: `path`'s transformer with a one-output token-classification head.
-
-    A policy checkpoint has no head (`score`): it is initialised here from `seed` alone, so
-    every rank (and every world size) starts from the same head. N(0, 1/(hidden + 1)) keeps the
-    initial values small without zeroing the gradient that reaches the transformer. A critic
-    checkpoint (our `critic/` directory) loads its own head.
-    """
-    model, info = AutoModelForTokenClassification.from_pretrained(
-        path,
-        num_labels=1,
-        dtype=torch.float32,
-        attn_implementation=attn_implementation,
-        output_loading_info=True,
+    model: torch.nn.Module = load_causal_lm(
+        path, dtype=torch.float32, attn_implementation=attn_implementation
     )
-    head = model.score
-    missing = set(info["missing_keys"])
-    if "score.weight" in missing:
-        gen = torch.Generator().manual_seed(seed)
-        std = 1.0 / (head.in_features + 1)
-        with torch.no_grad():
-            head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * std)
-            if head.bias is not None:
-                head.bias.zero_()
-    # Saved configs then name the class that loads them.
-    model.config.architectures = [type(model).__name__]
     return model
-
-
-def _gather_optimizer(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int
-) -> dict[str, torch.Tensor]:
-    """Full optimizer state as "<param>/<key>" tensors, on rank 0 (empty elsewhere). Collective."""
-    out: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        for key, value in optimizer.state.get(param, {}).items():
-            gathered = ckpt.full_tensor(value)
-            if rank == 0:
-                out[f"{name}/{key}"] = gathered.cpu().contiguous()
-    return out
-
-
-def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, file: Path) -> None:
-    """Replace `optimizer`'s state by that in `file` (as `_gather_optimizer` wrote it)."""
-    optimizer.state.clear()
-    with safe_open(str(file), framework="pt") as f:
-        keys = set(f.keys())
-        for name, param in model.named_parameters():
-            entries = {k.split("/", 1)[1] for k in keys if k.startswith(name + "/")}
-            st: dict[str, torch.Tensor] = {}
-            for key in entries:
-                value = f.get_tensor(f"{name}/{key}")
-                # "step" is a CPU scalar in AdamW; moments are shaped and sharded like the param.
-                st[key] = value if key == "step" else ckpt.shard_like(value, param)
-            if st:
-                optimizer.state[param] = st
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
