@@ -5,10 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles.core.components import Kind
+from miles.core.components import Capability, Kind
 from miles.core.config import ComponentRef
 from miles.core.configtools import ConfigError
 from miles.core.factory import build_component
+from miles.core.plugins import get_plugin_manager
 from miles.losses.advantages import (
     GAEAdvantage,
     GRPOAdvantage,
@@ -167,7 +168,9 @@ def test_gae_with_outcome_reward_and_no_critic_is_reward_to_go() -> None:
 
 def test_gae_component_needs_values() -> None:
     gae = build_component(Kind.ADVANTAGE, ComponentRef("gae", {"gamma": 0.9, "lam": 0.95}))
-    assert isinstance(gae, GAEAdvantage) and gae.needs_values
+    assert isinstance(gae, GAEAdvantage)
+    assert get_plugin_manager().get(Kind.ADVANTAGE, "gae").spec.has(Capability.NEEDS_VALUES)
+    assert not get_plugin_manager().get(Kind.ADVANTAGE, "grpo").spec.has(Capability.NEEDS_VALUES)
     with pytest.raises(TypeError, match="value model"):
         gae(np.zeros(2, np.float32), np.zeros(2, np.int64))
     offsets, mask = np.array([0, 3]), np.ones(3, np.float32)

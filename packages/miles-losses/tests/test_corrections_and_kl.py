@@ -172,3 +172,34 @@ def test_low_var_kl_is_registered_and_differentiable() -> None:
     kl.sum().backward()
     assert lp.grad is not None and lp.grad[1] == 0  # clamped: no gradient from the outlier
     assert np.isfinite(lp.grad.numpy()).all()
+
+
+@pytest.mark.parametrize("name", ["tis", "mis", "icepop"])
+def test_corrections_answer_numpy_in_numpy_as_the_run_calls_them(name: str) -> None:
+    """The train rank calls corrections with numpy arrays (miles-core has no torch): the same
+    weights, mask and metrics as on tensors, as numpy arrays and floats."""
+    correction = build_component(Kind.CORRECTION, name)
+    rng = np.random.default_rng(0)
+    old = rng.normal(-1.0, 0.3, 12).astype(np.float32)
+    rollout = (old + rng.normal(0, 0.8, 12)).astype(np.float32)
+    mask = np.ones(12, np.float32)
+    seq = np.repeat(np.arange(3), 4).astype(np.int64)
+    weights, keep, metrics = correction(old, rollout, mask, seq)
+    assert isinstance(weights, np.ndarray) and isinstance(keep, np.ndarray)
+    assert all(type(v) is float for v in metrics.values())
+    t_weights, t_keep, t_metrics = correction(
+        *(torch.from_numpy(a) for a in (old, rollout, mask, seq))
+    )
+    np.testing.assert_array_equal(weights, t_weights.numpy())
+    np.testing.assert_array_equal(keep, t_keep.numpy())
+    assert metrics == {k: float(v) for k, v in t_metrics.items()}
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3", "low_var_kl"])
+def test_kl_estimators_on_numpy_match_torch(name: str) -> None:
+    kl = build_component(Kind.KL, name)
+    lp = np.array([-1.0, -2.0, -0.5], np.float32)
+    ref = np.array([-1.5, -1.0, -0.5], np.float32)
+    on_numpy = kl(lp, ref)
+    assert isinstance(on_numpy, np.ndarray)
+    np.testing.assert_array_equal(on_numpy, kl(torch.from_numpy(lp), torch.from_numpy(ref)).numpy())

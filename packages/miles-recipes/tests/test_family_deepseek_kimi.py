@@ -20,12 +20,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from miles.core.family import ModelFamily
-from miles.core.routing import RoutingRecorder, RoutingReplay
 from miles.recipes.architectures import config_for
 from miles.recipes.families import deepseek_v3 as ds
 from miles.recipes.families import kimi_k25 as kk
 from miles.recipes.twins import build_twin_model, twin_config_dict, write_twin
 from miles.torch.models import load_causal_lm
+from miles.torch.routing import RoutingRecorder, RoutingReplay
 
 FAMILIES = {"deepseek_v3": ds.deepseek_v3(), "kimi_k25": kk.kimi_k25()}
 CHECKPOINTS = [(name, ckpt) for name, fam in FAMILIES.items() for ckpt in fam.checkpoints]

@@ -14,8 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from miles.core.family import ModelShape
-from miles.core.routing import RouterAdapter, RoutingRecorder, RoutingReplay
+from miles.core.family import ModelShape, RouterAdapter
 from miles.recipes.families.deepseek_v4 import (
     CSA,
     HCA,
@@ -26,6 +25,7 @@ from miles.recipes.families.deepseek_v4 import (
 )
 from miles.recipes.twins import write_twin
 from miles.torch.models import load_causal_lm
+from miles.torch.routing import RoutingRecorder, RoutingReplay
 
 ARCHITECTURES = Path(__file__).parents[1] / "src/miles/recipes/architectures"
 REAL = {

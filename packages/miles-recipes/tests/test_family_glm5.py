@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from miles.core.family import ModelShape
-from miles.core.routing import RouterAdapter, RoutingRecorder, RoutingReplay
+from miles.core.family import ModelShape, RouterAdapter
 from miles.recipes.families.glm5 import glm_moe_dsa, indexer_types
 from miles.recipes.twins import write_twin
 from miles.torch.models import load_causal_lm
+from miles.torch.routing import RoutingRecorder, RoutingReplay
 
 ARCHITECTURES = Path(__file__).parents[1] / "src/miles/recipes/architectures"
 REAL = {

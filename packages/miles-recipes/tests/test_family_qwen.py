@@ -14,11 +14,11 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from miles.core.family import ModelFamily
-from miles.core.routing import RoutingRecorder, RoutingReplay
 from miles.recipes.architectures import config_for
 from miles.recipes.families.qwen3 import qwen3, qwen3_moe
 from miles.recipes.families.qwen3_5 import qwen3_5, qwen3_5_moe
 from miles.recipes.twins import build_twin_model, twin_config_dict, write_twin
+from miles.torch.routing import RoutingRecorder, RoutingReplay
 
 FAMILIES = {f.name: f for f in (qwen3(), qwen3_moe(), qwen3_5(), qwen3_5_moe())}
 MOE = ("qwen3_moe", "qwen3_5_moe")

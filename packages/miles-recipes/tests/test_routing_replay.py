@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.core.routing import RoutingRecorder, RoutingReplay
 from miles.recipes.families.deepseek_v3 import deepseek_v3
 from miles.recipes.families.qwen3 import qwen3_moe
 from miles.recipes.families.routers import moe_routers
+from miles.torch.routing import RoutingRecorder, RoutingReplay
 from miles.torch.testing import make_tiny_model
 
 FAMILIES = {"qwen3_moe": qwen3_moe(), "deepseek_v3": deepseek_v3()}

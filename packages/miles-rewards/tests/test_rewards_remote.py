@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from miles.core.components import Capability
+from miles.core.plugins import get_plugin_manager
 from miles.core.runtime.scoring import RewardScorer
 from miles.core.types import Sample, SampleStatus
 from miles.rewards.configs import LLMJudgeConfig, RemoteRMConfig
@@ -240,7 +242,11 @@ def test_remote_rm_through_the_run_scorer(rm: FakeServer) -> None:
             return " ".join("good" if i == 1 else "x" for i in ids)
 
     reward = RemoteRM(RemoteRMConfig(url=rm.url))
-    scorer = RewardScorer(reward, "remote_rm", Tokenizer(), on_error="mark_failed", timeout_s=5)
+    # As the run builds it: the spec says the reward scores whole groups.
+    groups = get_plugin_manager().get("reward", "remote_rm").spec.has(Capability.SCORES_GROUPS)
+    scorer = RewardScorer(
+        reward, "remote_rm", Tokenizer(), groups=groups, on_error="mark_failed", timeout_s=5
+    )
     samples = [
         Sample(prompt_ids=[0], response_ids=[1] * k, metadata={"prompt": "Q"}) for k in range(3)
     ]

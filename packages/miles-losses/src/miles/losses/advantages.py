@@ -91,13 +91,11 @@ class ReinforcePPAdvantage:
 class GAEAdvantage:
     """Generalised advantage estimation (PPO with a critic). Needs a value model.
 
-    Unlike the group estimators it works per token: `token_advantages` takes the sequences'
-    rewards and the critic's per-token values and returns per-token advantages and return targets
-    (see `compute_gae`). Called like the per-sample estimators, it raises: without values there is
-    nothing to estimate.
+    Unlike the group estimators it works per token (its spec declares `needs_values`):
+    `token_advantages` takes the sequences' rewards and the critic's per-token values and returns
+    per-token advantages and return targets (see `compute_gae`). Called like the per-sample
+    estimators, it raises: without values there is nothing to estimate.
     """
-
-    needs_values = True
 
     def __init__(self, config: GAEConfig) -> None:
         self.config = config

@@ -11,13 +11,18 @@ ratio = exp(old_logprobs - rollout_logprobs) = pi_train / pi_infer, a correction
                  sample size over n: (sum w)^2 / (n * sum w^2), 1 when all weights are equal).
 
 "sequence" level uses one ratio per sequence, the product of its masked tokens' ratios.
+
+The run calls a correction with numpy arrays (it needs no gradient) and gets numpy arrays and
+float metrics back; on torch tensors it answers in tensors.
 """
 
 from __future__ import annotations
 
+import abc
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from miles.losses.configs import IcePopConfig, Level, MISConfig, TISConfig
@@ -31,6 +36,32 @@ _MAX_LOG_RATIO = 20.0
 
 class Correction(Protocol):
     def __call__(
+        self,
+        old_logprobs: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        loss_mask: torch.Tensor,
+        seq_index: torch.Tensor | None,
+    ) -> CorrectionOutput: ...
+
+
+class _OnArrays(abc.ABC):
+    """numpy in, numpy (and float metrics) out; torch in, torch out."""
+
+    def __call__(
+        self, old_logprobs: Any, rollout_logprobs: Any, loss_mask: Any, seq_index: Any
+    ) -> Any:
+        if not isinstance(old_logprobs, np.ndarray):
+            return self.correct(old_logprobs, rollout_logprobs, loss_mask, seq_index)
+        weights, keep, metrics = self.correct(
+            torch.from_numpy(np.asarray(old_logprobs)),
+            torch.from_numpy(np.asarray(rollout_logprobs)),
+            torch.from_numpy(np.asarray(loss_mask)),
+            None if seq_index is None else torch.from_numpy(np.asarray(seq_index)),
+        )
+        return weights.numpy(), keep.numpy(), {k: float(v) for k, v in metrics.items()}
+
+    @abc.abstractmethod
+    def correct(
         self,
         old_logprobs: torch.Tensor,
         rollout_logprobs: torch.Tensor,
@@ -77,7 +108,7 @@ def correction_metrics(
     }
 
 
-class TIS:
+class TIS(_OnArrays):
     """Truncated importance sampling: weight min(ratio, cap), keeps every token.
 
     Token level follows Yao et al. 2025 ("Your efficient RL framework secretly brings you
@@ -87,7 +118,7 @@ class TIS:
     def __init__(self, config: TISConfig) -> None:
         self.config = config
 
-    def __call__(
+    def correct(
         self,
         old_logprobs: torch.Tensor,
         rollout_logprobs: torch.Tensor,
@@ -112,14 +143,14 @@ def _masked_is(
     return weights, keep, correction_metrics(lr, weights, keep, ~inside, loss_mask)
 
 
-class MIS:
+class MIS(_OnArrays):
     """Masked importance sampling: IS weight = ratio where it lies in [low, high]; tokens (or
     whole sequences, at "sequence" level) outside are dropped (keep = 0) instead of truncated."""
 
     def __init__(self, config: MISConfig) -> None:
         self.config = config
 
-    def __call__(
+    def correct(
         self,
         old_logprobs: torch.Tensor,
         rollout_logprobs: torch.Tensor,
@@ -130,14 +161,14 @@ class MIS:
         return _masked_is(lr, self.config.low, self.config.high, loss_mask)
 
 
-class IcePop:
+class IcePop(_OnArrays):
     """IcePop (Ring-1T, Ling Team 2025): the token-level mask M(k) = k if low <= k <= high else 0
     on k = pi_train / pi_infer, with the paper's bounds [0.5, 5] by default."""
 
     def __init__(self, config: IcePopConfig) -> None:
         self.config = config
 
-    def __call__(
+    def correct(
         self,
         old_logprobs: torch.Tensor,
         rollout_logprobs: torch.Tensor,

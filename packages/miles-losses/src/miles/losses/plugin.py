@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from miles.core import ComponentSpec, Kind, hookimpl, lazy
+from miles.core import Capability, ComponentSpec, Kind, hookimpl, lazy
 from miles.losses.configs import (
     CISPOConfig,
     GAEConfig,
@@ -70,6 +70,7 @@ def miles_register_advantages() -> Iterable[ComponentSpec]:
             lazy("miles.losses.advantages:GAEAdvantage"),
             "generalised advantage estimation per token; needs a value model (critic)",
             GAEConfig,
+            capabilities=frozenset({Capability.NEEDS_VALUES}),
         ),
     ]
 

@@ -1,9 +1,12 @@
-"""The precisions' typed config sections. No torch import: `miles plugins list` stays cheap."""
+"""The precisions' typed config sections and memory models. No torch import: `miles plugins
+list` and `miles recipes plan` stay cheap."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from miles.core.memory import PrecisionBytes
 
 Compute = Literal["bfloat16", "float32"]
 
@@ -32,3 +35,30 @@ class Int4QATConfig(QuantConfig):
         super().__post_init__()
         if self.group_size < 2 or self.group_size % 2:
             raise ValueError(f"group_size must be an even number >= 2, got {self.group_size}")
+
+
+# Bytes per element for the planner: activations and KV cache in the compute dtype; rollout
+# weights in the format, with its scales (fp8: one fp32 per 128x128 block; mxfp8: one e8m0 per
+# 32; int4: two bytes per 128).
+def fp32_memory(config: None) -> PrecisionBytes:
+    return PrecisionBytes(compute=4, rollout_weights=4)
+
+
+def bf16_memory(config: None) -> PrecisionBytes:
+    return PrecisionBytes(compute=2, rollout_weights=2)
+
+
+def _compute_bytes(config: QuantConfig) -> float:
+    return 2 if config.compute == "bfloat16" else 4
+
+
+def fp8_memory(config: QuantConfig) -> PrecisionBytes:
+    return PrecisionBytes(_compute_bytes(config), 1 + 4 / 128**2)
+
+
+def mxfp8_memory(config: QuantConfig) -> PrecisionBytes:
+    return PrecisionBytes(_compute_bytes(config), 1 + 1 / 32)
+
+
+def int4_memory(config: Int4QATConfig) -> PrecisionBytes:
+    return PrecisionBytes(_compute_bytes(config), 0.5 + 2 / 128)

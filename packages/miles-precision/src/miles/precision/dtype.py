@@ -1,4 +1,4 @@
-"""Plain floating-point precisions: one dtype for training compute and for rollout weights."""
+"""Plain floating-point precisions: one dtype for the weights rollout engines hold."""
 
 from __future__ import annotations
 
@@ -8,23 +8,30 @@ import torch
 
 
 class DtypePrecision:
-    """Casts the training model and every synced tensor to one dtype.
+    """Casts every synced tensor to one dtype, in which engines hold and compute.
 
-    The optimizer keeps fp32 master weights when the trainer asks for them; this object only fixes
-    the dtype that forward passes and rollout engines see.
+    Training keeps the train backend's own numerics (fp32 master weights, its compute dtype):
+    there is no layer to convert, so `convert_model` leaves the model as it is.
     """
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
 
-    def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.to(self.dtype)
+    @property
+    def rollout_dtype(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def convert_model(self, model: torch.nn.Module) -> int:
+        return 0
 
     def convert_for_rollout(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in named_tensors:
             yield name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def rollout_decoder(self, dtype: torch.dtype) -> None:
+        return None  # engines load plain tensors as they are
 
 
 def fp32() -> DtypePrecision:

@@ -8,48 +8,23 @@ Rollout engines get either:
   the base weights (`AdapterApplier`).
 
 The base may be any module with a 2-D `.weight` [out, in] that maps x -> base(x): a plain
-`nn.Linear`, or a quantised training linear (fake-quant INT4 and the like: QLoRA-style).
+`nn.Linear`, or a quantised training linear (fake-quant INT4 and the like: QLoRA-style). The
+config is the run's `lora` section (`miles.core.config.LoRAConfig`); every merge, on the trainer
+and on an engine, goes through `merged_weight`, so both sides compute the same bits.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
+from miles.core.config import LoRAConfig
+
 _A_SUFFIX = ".lora_A.weight"
 _B_SUFFIX = ".lora_B.weight"
-
-
-@dataclass
-class LoRAConfig:
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    # Matched against the last component of a module's qualified name ("q_proj" hits
-    # "model.layers.3.self_attn.q_proj").
-    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    sync: Literal["merged", "adapters"] = "merged"
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
-        if not self.alpha > 0:
-            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        if not self.targets:
-            raise ValueError("lora.targets must name at least one module")
-        if self.sync not in ("merged", "adapters"):
-            raise ValueError(f"lora.sync must be 'merged' or 'adapters', got {self.sync!r}")
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
 
 
 class LoRALinear(nn.Module):
@@ -76,17 +51,24 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / rank
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.base(x)
+        out: Tensor = self.base(x)
         x_lora = self.dropout(x.to(self.lora_A.weight.dtype))
-        return out + (self.scaling * self.lora_B(self.lora_A(x_lora))).to(out.dtype)
+        delta: Tensor = self.scaling * self.lora_B(self.lora_A(x_lora))
+        return out + delta.to(out.dtype)
 
     @torch.no_grad()
     def merged_weight(self) -> Tensor:
-        """base.weight + scaling * B @ A, summed in fp32 and cast back to the base weight's dtype."""
-        weight = self.base.weight
-        return (weight.float() + _delta(self.lora_A.weight, self.lora_B.weight, self.scaling)).to(
-            weight.dtype
-        )
+        """base.weight + scaling * B @ A (see `merged_weight`)."""
+        weight = _weight_2d(self.base)
+        assert weight is not None  # checked when the adapter was made
+        return merged_weight(weight, self.lora_A.weight, self.lora_B.weight, self.scaling)
+
+
+def merged_weight(weight: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
+    """weight + scaling * B @ A, summed in fp32 on the weight's device and cast back to the
+    weight's dtype: the one LoRA merge, for training checkpoints, syncs and engines alike."""
+    delta = scaling * (b.to(weight.device).float() @ a.to(weight.device).float())
+    return (weight.float() + delta).to(weight.dtype)
 
 
 def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
@@ -151,15 +133,26 @@ def merge_named(
             a[name.removesuffix(_A_SUFFIX)] = tensor
         elif name.endswith(_B_SUFFIX):
             module = name.removesuffix(_B_SUFFIX)
-            weight = base.pop(module)
             yield (
                 f"{module}.weight",
-                (weight.float() + _delta(a.pop(module), tensor, scaling)).to(weight.dtype),
+                merged_weight(base.pop(module), a.pop(module), tensor, scaling),
             )
         else:
             yield name, tensor
     if base or a:
         raise RuntimeError(f"LoRA merge: modules without their adapters: {sorted(base | a)}")
+
+
+def fold_adapters(
+    named_base: Iterable[tuple[str, Tensor]], adapters: Mapping[str, Tensor], scaling: float
+) -> Iterator[tuple[str, Tensor]]:
+    """A plain model's (name, tensor) pairs with `adapters` (`n.lora_A.weight`,
+    `n.lora_B.weight`) merged into each adapted `n.weight`: what an engine holds after
+    `AdapterApplier.apply` on that base."""
+    for name, tensor in named_base:
+        module = name.removesuffix(".weight")
+        a, b = adapters.get(f"{module}{_A_SUFFIX}"), adapters.get(f"{module}{_B_SUFFIX}")
+        yield name, tensor if a is None or b is None else merged_weight(tensor, a, b, scaling)
 
 
 def adapter_named_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -206,9 +199,7 @@ class AdapterApplier:
             weight = self._weight(name)
             if name not in self._base:
                 self._base[name] = weight.detach().clone()
-            base = self._base[name]
-            a, b = a.to(weight.device), b.to(weight.device)
-            weight.copy_((base.float() + _delta(a, b, self.scaling)).to(weight.dtype))
+            weight.copy_(merged_weight(self._base[name], a, b, self.scaling))
         return list(pairs)
 
     @torch.no_grad()
@@ -262,10 +253,6 @@ def _weight_2d(module: nn.Module) -> Tensor | None:
 def _is_linear_like(module: nn.Module) -> bool:
     # An embedding has a 2-D weight too, but takes token ids, not activations.
     return _weight_2d(module) is not None and not isinstance(module, nn.Embedding | LoRALinear)
-
-
-def _delta(a: Tensor, b: Tensor, scaling: float) -> Tensor:
-    return scaling * (b.float() @ a.float())
 
 
 def _check_not_tied(model: nn.Module, targets: dict[str, nn.Module]) -> None:

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from miles.core import ComponentSpec, Kind, hookimpl, lazy
-from miles.precision.config import Int4QATConfig, QuantConfig
+from miles.core import Capability, ComponentSpec, Kind, hookimpl, lazy
+from miles.precision.config import (
+    Int4QATConfig,
+    QuantConfig,
+    bf16_memory,
+    fp8_memory,
+    fp32_memory,
+    int4_memory,
+    mxfp8_memory,
+)
+
+QUANTIZED = frozenset({Capability.QUANTIZED})
 
 
 @hookimpl
@@ -15,13 +25,15 @@ def miles_register_precisions() -> Iterable[ComponentSpec]:
             Kind.PRECISION,
             "fp32",
             lazy("miles.precision.dtype:fp32"),
-            "float32 training and rollout (exact; the CPU default)",
+            "float32 rollout weights (exact; the CPU default)",
+            memory=fp32_memory,
         ),
         ComponentSpec(
             Kind.PRECISION,
             "bf16",
             lazy("miles.precision.dtype:bf16"),
-            "bfloat16 training compute and rollout weights",
+            "bfloat16 rollout weights (training computes in the train backend's dtype)",
+            memory=bf16_memory,
         ),
         ComponentSpec(
             Kind.PRECISION,
@@ -30,6 +42,8 @@ def miles_register_precisions() -> Iterable[ComponentSpec]:
             "fp8 e4m3 projections with 128x128 block scales (torch._scaled_mm); rollout gets fp8 "
             "weights + scales",
             QuantConfig,
+            capabilities=QUANTIZED,
+            memory=fp8_memory,
         ),
         ComponentSpec(
             Kind.PRECISION,
@@ -37,6 +51,8 @@ def miles_register_precisions() -> Iterable[ComponentSpec]:
             lazy("miles.precision.quantized:mxfp8_precision"),
             "mxfp8 projections (1x32 blocks, e8m0 scales; emulated on CPU and Hopper)",
             QuantConfig,
+            capabilities=QUANTIZED,
+            memory=mxfp8_memory,
         ),
         ComponentSpec(
             Kind.PRECISION,
@@ -45,5 +61,7 @@ def miles_register_precisions() -> Iterable[ComponentSpec]:
             "int4 quantization-aware training (symmetric, group-wise, straight-through); rollout "
             "gets packed int4 + group scales",
             Int4QATConfig,
+            capabilities=QUANTIZED,
+            memory=int4_memory,
         ),
     ]

@@ -50,6 +50,7 @@ class QuantizedPrecision:
         describe: str,
     ) -> None:
         self.name, self.dtype = name, getattr(torch, compute)
+        self.rollout_dtype: str = compute
         self._make_linear, self._encode, self._decode = make_linear, encode, decode
         self.scale_suffix, self.describe = scale_suffix, describe
 

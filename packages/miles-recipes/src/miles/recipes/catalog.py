@@ -16,6 +16,12 @@ from miles.core import ComponentSpec, Kind
 from miles.core.recipe import Recipe
 
 CONFIGS = Path(str(resources.files("miles.recipes") / "configs"))
+# The packages that provide the production backends the frontier recipes name, for the error a
+# user sees when they are not installed.
+PROVIDERS = {
+    "megatron": "the miles-megatron package (Megatron-core training; not in this release yet)",
+    "sglang": "the miles-sglang package (SGLang rollout; not in this release yet)",
+}
 
 
 def _header(path: Path) -> list[str]:
@@ -33,7 +39,9 @@ def load(path: Path) -> Recipe:
     config = load_yaml(path)
     if config.get("name") != path.stem:
         raise ValueError(f"{path}: name must be {path.stem!r}, the file's name")
-    return Recipe(config=config, description="\n".join(_header(path)).strip())
+    backends = {config.get(s, {}).get("backend") for s in ("train", "rollout")}
+    requires = {name: PROVIDERS[name] for name in backends if name in PROVIDERS}
+    return Recipe(config=config, description="\n".join(_header(path)).strip(), requires=requires)
 
 
 def specs(directory: Path = CONFIGS) -> list[ComponentSpec]:

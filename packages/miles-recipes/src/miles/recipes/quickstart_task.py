@@ -25,24 +25,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer, models, pre_tokenizers
+from miles.recipes.twins import write_twin
+from miles.recipes.words import INSTRUCTION, NUM_ITEMS, NUM_VALUES, vocabulary
 
-NUM_VALUES = 20  # the numbers are the words "0" ... "19"
-NUM_ITEMS = 4  # numbers per prompt; chance-level reward is 1 / NUM_ITEMS
-INSTRUCTION = "max"
-
-PAD, UNK, IM_START, IM_END = "<|pad|>", "<|unk|>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = (PAD, UNK, IM_START, IM_END)
-ROLE_WORDS = ("system", "user", "assistant")
-
-# Qwen-style ChatML. The word-level pre-tokenizer splits on whitespace, so the newlines only
-# separate words; special tokens are split out before that.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+__all__ = ["INSTRUCTION", "NUM_ITEMS", "NUM_VALUES", "build_model", "vocabulary", "write_datasets"]
 
 # Sizes of the generated datasets. Eval prompts are number lists that no training file contains
 # (RL or SFT), so eval measures the rule, not memory. 16384 SFT rows = 64 steps of 256 rows.
@@ -51,37 +37,10 @@ NUM_EVAL_PROMPTS = 256
 NUM_SFT_ROWS = 16384
 
 
-def vocabulary() -> list[str]:
-    """All tokens, in id order: special tokens first, then words."""
-    numbers = [str(i) for i in range(NUM_VALUES)]
-    return [*SPECIAL_TOKENS, *ROLE_WORDS, INSTRUCTION, *numbers]
-
-
-def build_tokenizer(out_dir: str | Path) -> None:
-    """Writes a Hugging Face fast tokenizer (word-level, ChatML template) to `out_dir`."""
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {word: i for i, word in enumerate(vocabulary())}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token=PAD,
-        unk_token=UNK,
-        eos_token=IM_END,
-        additional_special_tokens=[IM_START],
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=64,
-    )
-    tokenizer.save_pretrained(str(out_dir))
-
-
 def build_model(out_dir: str | Path, seed: int, *, family: str = "qwen3", **overrides: Any) -> None:
     """Writes the tiny twin of `family` (random weights, safetensors) with this task's tokenizer
     to `out_dir`. The Qwen3 twin is a ~100k-parameter model: big enough for the rule, small
     enough for a 2-core CPU; the Qwen3-MoE twin has the same shape with 4 experts, top-2."""
-    from miles.recipes.twins import write_twin
-
     write_twin(family, out_dir, seed=seed, **overrides)
 
 

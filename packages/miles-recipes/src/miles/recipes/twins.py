@@ -12,24 +12,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from miles.core.families import family_named
 from miles.core.family import ModelFamily
+from miles.recipes.words import IM_END, PAD, build_tokenizer, vocabulary
 
 
 def resolve_family(family: ModelFamily | str) -> ModelFamily:
-    if isinstance(family, ModelFamily):
-        return family
-    from miles.core.components import Kind
-    from miles.core.plugins import get_plugin_manager
-
-    found: ModelFamily = get_plugin_manager().get(Kind.FAMILY, family).spec.factory()
-    return found
+    return family if isinstance(family, ModelFamily) else family_named(family)
 
 
 def twin_config_dict(family: ModelFamily | str, **overrides: Any) -> dict[str, Any]:
     """The twin's config.json fields: the family's tiny config, the quickstart vocabulary and
     its special tokens, then `overrides` (applied to the text model's fields)."""
-    from miles.recipes.quickstart_task import IM_END, PAD, vocabulary
-
     fam = resolve_family(family)
     if fam.tiny is None:
         raise ValueError(f"family {fam.name!r} has no tiny twin")
@@ -54,10 +52,6 @@ def build_twin_model(
 ) -> Any:
     """The twin's transformers model (random weights from `seed`; the global RNG is left as it
     was), finished by the family's `tiny_init`."""
-    import torch
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     fields = dict(config_dict)
     architectures = fields.pop("architectures", None)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -87,10 +81,6 @@ def write_twin(
 ) -> str:
     """Writes the family's tiny twin to `out_dir`; returns the path. Equal arguments give
     bitwise-equal weights. `overrides` replace (text) config fields, e.g. num_hidden_layers=3."""
-    from transformers import GenerationConfig
-
-    from miles.recipes.quickstart_task import build_tokenizer
-
     fam = resolve_family(family)
     fields = twin_config_dict(fam, **overrides)
     model = build_twin_model(fields, seed, fam)

@@ -51,8 +51,8 @@ def extract_code(response: str, mode: str = "last_block") -> str:
     blocks = [(tag.lower(), body) for tag, body in _FENCE.findall(response)]
     python = [body for tag, body in blocks if tag in _PYTHON_TAGS]
     if python:
-        return python[-1]
-    return blocks[-1][1] if blocks else response
+        return str(python[-1])
+    return str(blocks[-1][1]) if blocks else response
 
 
 def _normalize(text: str) -> str:
@@ -114,7 +114,7 @@ def _assert_cases(source: str) -> list[_AssertCase]:
 class Code:
     reward_range: tuple[float, float] = (0.0, 1.0)
     deterministic: bool = True
-    # A data row `miles plugins check` scores against (see miles.core.conformance).
+    # A data row `miles plugins check` scores against (see miles.plugin_kit.conformance).
     conformance_example: ClassVar[dict[str, Any]] = {
         "row": {"tests": [{"input": "", "output": "42"}]}
     }

@@ -69,7 +69,7 @@ def extract_equation(response: str, tag: str, require_tag: bool) -> str | None:
 class Countdown:
     reward_range: tuple[float, float] = (0.0, 1.0)
     deterministic: bool = True
-    # The data row `miles plugins check` scores against (see miles.core.conformance).
+    # The data row `miles plugins check` scores against (see miles.plugin_kit.conformance).
     conformance_example: ClassVar[dict[str, Any]] = {"row": {"target": 42, "numbers": [6, 7]}}
 
     def __init__(self, config: CountdownConfig) -> None:

@@ -16,7 +16,7 @@ class EnvRewardConfig:
 class EnvReward:
     deterministic = True
     reward_range = (float("-inf"), float("inf"))
-    # What a multi-turn episode leaves on the sample (see miles.core.conformance).
+    # What a multi-turn episode leaves on the sample (see miles.plugin_kit.conformance).
     conformance_example: ClassVar[dict[str, Any]] = {"row": {"env_reward": 1.0}}
 
     def __init__(self, config: EnvRewardConfig) -> None:

@@ -28,8 +28,9 @@ def safe_arithmetic(expression: str) -> float:
     def walk(node: ast.AST) -> float:
         if isinstance(node, ast.Expression):
             return walk(node.body)
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return float(node.value)
+        value = node.value if isinstance(node, ast.Constant) else None
+        if isinstance(value, int | float) and not isinstance(value, bool):  # not True, 1j...
+            return float(value)
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return float(_OPS[type(node.op)](walk(node.left), walk(node.right)))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:

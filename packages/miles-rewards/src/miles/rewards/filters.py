@@ -45,7 +45,11 @@ class DynamicSampling:
 
     def __init__(self, config: DynamicSamplingConfig) -> None:
         self.config = config
-        self.oversample_rounds = config.max_rounds
+
+    @property
+    def oversample_rounds(self) -> int:
+        """Extra rounds of prompts a step may draw (its spec declares `oversamples`)."""
+        return self.config.max_rounds
 
     def __call__(self, group: list[Sample]) -> list[Sample]:
         rewards = [s.reward for s in group if s.reward is not None]

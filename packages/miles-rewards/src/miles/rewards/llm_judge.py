@@ -47,7 +47,7 @@ class LLMJudge:
     reward_range: tuple[float, float] = (0.0, 1.0)
     conformance_skip: ClassVar[str] = (
         "calls an OpenAI-compatible server: check it against yours with "
-        "miles.core.conformance.check_reward('llm_judge', config=LLMJudgeConfig(...))"
+        "miles.plugin_kit.conformance.check_reward('llm_judge', config=LLMJudgeConfig(...))"
     )
     # Temperature 0 is not bit-reproducible on batched GPU servers, and the judge may change.
     deterministic: bool = False

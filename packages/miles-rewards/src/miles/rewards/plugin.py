@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from miles.core import ComponentSpec, Kind, hookimpl
+from miles.core import Capability, ComponentSpec, Kind, hookimpl
 from miles.rewards.code import Code, CodeConfig
 from miles.rewards.configs import (
     CountdownConfig,
@@ -88,6 +88,7 @@ def miles_register_rewards() -> Iterable[ComponentSpec]:
             RemoteRM,
             "a reward model over HTTP (OpenRLHF remote-RM protocol), batched per group",
             RemoteRMConfig,
+            capabilities=frozenset({Capability.SCORES_GROUPS}),
         ),
         ComponentSpec(
             Kind.REWARD,
@@ -95,6 +96,7 @@ def miles_register_rewards() -> Iterable[ComponentSpec]:
             LLMJudge,
             "an LLM grades via any OpenAI-compatible chat endpoint",
             LLMJudgeConfig,
+            capabilities=frozenset({Capability.SCORES_GROUPS}),
         ),
         ComponentSpec(
             Kind.REWARD,
@@ -129,6 +131,7 @@ def miles_register_filters() -> Iterable[ComponentSpec]:
             DynamicSampling,
             "DAPO: drop zero-variance groups and over-sample until the batch is full",
             DynamicSamplingConfig,
+            capabilities=frozenset({Capability.OVERSAMPLES}),
         ),
         ComponentSpec(
             Kind.FILTER,

@@ -129,7 +129,7 @@ class RemoteRM:
     reward_range: tuple[float, float] = (float("-inf"), float("inf"))
     conformance_skip: ClassVar[str] = (
         "calls a reward-model server: check it against yours with "
-        "miles.core.conformance.check_reward('remote_rm', config=RemoteRMConfig(url=...))"
+        "miles.plugin_kit.conformance.check_reward('remote_rm', config=RemoteRMConfig(url=...))"
     )
     # Batched bf16 inference on a server we do not control: equal inputs may differ slightly.
     deterministic: bool = False

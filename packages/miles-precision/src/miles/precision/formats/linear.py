@@ -71,7 +71,7 @@ class FP8TrainLinear(_LinearFrom):
         self.block = block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _FP8LinearFn.apply(x, self.weight, self.block)  # type: ignore[no-untyped-call]
+        y = _FP8LinearFn.apply(x, self.weight, self.block)
         return self._add_bias(y)
 
 

@@ -32,7 +32,8 @@ def config_for(checkpoint: str) -> dict[str, Any] | None:
     path = file_for(checkpoint)
     if not path.is_file():
         return None
-    return copy.deepcopy(_read(path)["config"])  # transformers' configs edit nested dicts
+    config: dict[str, Any] = copy.deepcopy(_read(path)["config"])  # transformers edits nested
+    return config
 
 
 def known() -> list[str]:

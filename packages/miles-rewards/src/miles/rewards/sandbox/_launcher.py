@@ -21,6 +21,7 @@ import runpy
 import signal
 import sys
 import traceback
+from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
@@ -34,13 +35,15 @@ SETUP_FAILED = 111
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _call(fn, *args) -> None:
+def _call(fn: Any, *args: Any) -> None:
     if fn(*args) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None):
+def _mount(
+    source: str | None, target: str, fstype: str | None, flags: int, data: str | None
+) -> None:
     enc = [None if s is None else s.encode() for s in (source, target, fstype, data)]
     _call(_libc.mount, enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3])
 
@@ -89,7 +92,7 @@ def _expose(paths: list[str]) -> list[str]:
     return sorted(blocked)
 
 
-def _isolate(cfg: dict, notes: dict) -> None:
+def _isolate(cfg: dict[str, Any], notes: dict[str, Any]) -> None:
     """Namespaces and mounts, in the launcher (root only; each step may fail independently)."""
     for name, flag in (("netns", CLONE_NEWNET), ("pidns", CLONE_NEWPID), ("mountns", CLONE_NEWNS)):
         try:
@@ -136,7 +139,7 @@ def _isolate(cfg: dict, notes: dict) -> None:
         notes["readonly_fs_failed"] = failed[:20]
 
 
-def _set_limits(cfg: dict) -> None:
+def _set_limits(cfg: dict[str, Any]) -> None:
     def cap(which: int, value: int) -> None:
         resource.setrlimit(which, (value, value))
 
@@ -159,7 +162,7 @@ def _block_sockets() -> None:
     class _Guarded(_socket.socket):
         __slots__ = ()  # `socket.socket` adds its own __weakref__ slot
 
-        def __init__(self, family=-1, *args, **kwargs):
+        def __init__(self, family: int = -1, *args: Any, **kwargs: Any) -> None:
             if family != _socket.AF_UNIX:
                 raise PermissionError("network access is disabled in the sandbox")
             super().__init__(family, *args, **kwargs)
@@ -167,10 +170,10 @@ def _block_sockets() -> None:
     # `socket.socket` subclasses `_socket.socket` when `socket` is first imported, which the
     # launcher has not done yet; patching the base here therefore covers both.
     assert "socket" not in sys.modules
-    _socket.socket = _Guarded
+    _socket.socket = _Guarded  # type: ignore[misc]
 
 
-def _become_user(cfg: dict, notes: dict, info_fd: int) -> None:
+def _become_user(cfg: dict[str, Any], notes: dict[str, Any], info_fd: int) -> None:
     """In the `user` process: limits, environment, dropped privileges; then the info fd closes."""
     workdir = cfg["workdir"]
     os.chdir(workdir)
@@ -211,7 +214,7 @@ def _become_user(cfg: dict, notes: dict, info_fd: int) -> None:
     os.close(info_fd)
 
 
-def _init(cfg: dict, notes: dict, info_fd: int) -> int | None:
+def _init(cfg: dict[str, Any], notes: dict[str, Any], info_fd: int) -> int | None:
     """pid 1 of the sandbox: start `user`, wait for it, report. Never runs untrusted code.
 
     Returns init's exit code; or None in the `user` child, which is then ready to run the program.
@@ -240,7 +243,7 @@ def main() -> int | None:
     """The launcher's exit code; None in the `user` process."""
     cfg = json.loads(sys.argv[1])
     info_fd = cfg["info_fd"]
-    notes: dict = {}
+    notes: dict[str, Any] = {}
     try:
         if os.geteuid() == 0:
             _isolate(cfg, notes)

@@ -21,7 +21,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from miles.rewards.sandbox.datatypes import SandboxLimits, SandboxResult, Status
 from miles.rewards.sandbox.uids import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, lease_uid
@@ -79,7 +79,7 @@ async def _sweep(pgid: int, uid: int | None, deadline_s: float = 2.0) -> int:
 
 
 def _rmtree(path: str) -> None:
-    def make_writable(func, p, _exc):  # the program may have chmod-ed its files read-only
+    def make_writable(func: Any, p: str, _exc: Any) -> None:  # it may have chmod-ed files 0400
         with contextlib.suppress(OSError):
             os.chmod(os.path.dirname(p), 0o700)
             os.chmod(p, 0o700)
@@ -151,7 +151,7 @@ async def _feed(pipe: IO[bytes], data: bytes) -> None:
             pipe.close()
 
 
-async def _wait_exit(proc: subprocess.Popen) -> int:
+async def _wait_exit(proc: subprocess.Popen[bytes]) -> int:
     """The exit code of `proc`, awaited through a pidfd (polled where pidfds are unavailable)."""
     loop = asyncio.get_running_loop()
     try:
@@ -160,8 +160,13 @@ async def _wait_exit(proc: subprocess.Popen) -> int:
         while proc.poll() is None:
             await asyncio.sleep(0.01)
         return proc.returncode
-    exited = loop.create_future()
-    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def on_exit() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(pidfd, on_exit)
     try:
         await exited
     finally:
@@ -170,21 +175,21 @@ async def _wait_exit(proc: subprocess.Popen) -> int:
     return proc.wait()
 
 
-def _read_info(fd: int) -> dict:
+def _read_info(fd: int) -> dict[str, Any]:
     """The launcher's JSON lines: {"setup": {...}}, {"end": {...}} or {"fatal": "traceback"}."""
     os.set_blocking(fd, False)
     data = b""
     with contextlib.suppress(BlockingIOError):
         while chunk := os.read(fd, _CHUNK):
             data += chunk
-    info: dict = {}
+    info: dict[str, Any] = {}
     for line in data.decode(errors="replace").splitlines():
         with contextlib.suppress(ValueError):
             info.update(json.loads(line))
     return info
 
 
-def _isolation(setup: dict, uid: int | None) -> tuple[str, ...]:
+def _isolation(setup: dict[str, Any], uid: int | None) -> tuple[str, ...]:
     names = [
         k for k in ("netns", "pidns", "mountns", "tmpfs_workdir", "readonly_fs") if setup.get(k)
     ]
@@ -247,7 +252,9 @@ class Sandbox:
             os.close(info_r)  # (_spawn closes info_w: a double close could hit a reused fd)
             _rmtree(workdir)
 
-    def _launcher_config(self, workdir: str, limits: SandboxLimits, uid: int | None, info_fd: int):
+    def _launcher_config(
+        self, workdir: str, limits: SandboxLimits, uid: int | None, info_fd: int
+    ) -> dict[str, Any]:
         nproc = limits.max_processes
         if uid is None:
             # Without a uid of its own, RLIMIT_NPROC counts every process of the user running us.
