@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 import tomllib
 from dataclasses import dataclass
@@ -11,13 +14,19 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from miles.core import ComponentSpec, Kind
+from miles.core import Capability, ComponentSpec, Kind
 from miles.core.cli import cli
-from miles.core.conformance import CHECKS, Case, CheckResult, check_reward, default_sample
-from miles.core.scaffold import RewardNames, ScaffoldError, core_range, scaffold_reward
 from miles.core.types import Sample
+from miles.plugin_kit.conformance import CHECKS, Case, CheckResult, check_reward, default_sample
+from miles.plugin_kit.scaffold import (
+    RewardNames,
+    ScaffoldError,
+    core_range,
+    kit_range,
+    scaffold_reward,
+)
 
-from .conftest import PlantFn
+from .conftest import OnlyFn, PlantFn
 
 # ── names and the scaffolded files ───────────────────────────────────────────────────────────────
 
@@ -47,10 +56,13 @@ def test_bad_names_are_refused_with_the_rule(name: str, says: str) -> None:
     assert says in str(info.value)
 
 
-def test_core_range_is_the_running_series() -> None:
+def test_core_and_kit_ranges_are_the_running_series() -> None:
     assert core_range("0.1.0") == ">=0.1,<0.2"
     assert core_range("0.3.7.dev1") == ">=0.3,<0.4"
     assert core_range("1.4.2") == ">=1.4,<2"
+    assert kit_range("0.2.1") == ">=0.2,<0.3"
+    with pytest.raises(ScaffoldError, match="cannot derive a miles-plugin-kit range"):
+        kit_range("not a version")
 
 
 def test_scaffold_writes_a_complete_package(tmp_path: Path) -> None:
@@ -72,6 +84,11 @@ def test_scaffold_writes_a_complete_package(tmp_path: Path) -> None:
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     assert project["name"] == "miles-reward-acme" and project["version"] == "0.1.0"
     assert project["dependencies"] == [f"miles-core{core_range()}"]
+    # The package's tests import the checks, so its `test` extra brings the kit.
+    assert project["optional-dependencies"]["test"] == [
+        "pytest>=8",
+        f"miles-plugin-kit{kit_range()}",
+    ]
     assert project["entry-points"]["miles"] == {"acme": "miles_reward_acme.plugin"}
     readme = (root / "README.md").read_text()
     assert "miles plugins check miles-reward-acme" in readme and "twine upload" in readme
@@ -105,10 +122,10 @@ def test_scaffold_refuses_an_installed_reward_name(tmp_path: Path) -> None:
 
 
 def test_cli_new_defaults_to_the_distribution_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, only: OnlyFn
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MILES_LOAD_PLUGINS", "")  # only the core: fast, and nothing taken
+    only()  # the core and the kit: fast, and nothing taken
     result = CliRunner().invoke(cli, ["plugins", "new", "reward", "acme-cli"])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "miles-reward-acme-cli" / "src/miles_reward_acme_cli/plugin.py").is_file()
@@ -116,6 +133,20 @@ def test_cli_new_defaults_to_the_distribution_folder(
     assert again.exit_code == 1 and "not overwriting" in again.output
     bad = CliRunner().invoke(cli, ["plugins", "new", "reward", "Acme"])
     assert bad.exit_code == 1 and "use lowercase" in bad.output
+
+
+def test_the_kit_adds_new_and_check_to_miles_plugins() -> None:
+    # A fresh process, as a user runs it: `plugins` is built in, its kit commands load lazily.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_")}
+    miles = [sys.executable, "-m", "miles.core.cli"]
+    listed = subprocess.run([*miles, "plugins", "--help"], capture_output=True, text=True, env=env)
+    assert listed.returncode == 0, listed.stderr
+    commands = listed.stdout.partition("Commands:")[2].split()
+    assert {"list", "show", "new", "check"} <= set(commands), listed.stdout
+    one = subprocess.run(
+        [*miles, "plugins", "check", "--help"], capture_output=True, text=True, env=env
+    )
+    assert one.returncode == 0 and "Conformance checks" in one.stdout, one.stderr
 
 
 # ── conformance checks ───────────────────────────────────────────────────────────────────────────
@@ -140,8 +171,34 @@ class Good:
         return [await self(r, s) for r, s in zip(responses, samples, strict=True)]
 
 
-def _spec(factory: object, config: type | None = Options) -> ComponentSpec:
-    return ComponentSpec(Kind.REWARD, "probe", factory, "test reward", config)  # type: ignore[arg-type]
+def _spec(factory: object, config: type | None = Options, groups: bool = True) -> ComponentSpec:
+    """A reward spec; these probe rewards have `score_group` and say so, unless not `groups`."""
+    capabilities = frozenset({Capability.SCORES_GROUPS}) if groups else frozenset()
+    return ComponentSpec(
+        Kind.REWARD,
+        "probe",
+        factory,
+        "test reward",
+        config,
+        capabilities=capabilities,  # type: ignore[arg-type]
+    )
+
+
+def test_score_group_and_the_declaration_must_agree() -> None:
+    undeclared = _failures(check_reward(_spec(Good, groups=False)))["score_group"]
+    assert "does not declare Capability.SCORES_GROUPS: runs would never call it" in undeclared
+
+    class PerSample:
+        reward_range = (0.0, 1.0)
+
+        def __init__(self, config: Options) -> None:
+            pass
+
+        async def __call__(self, response: str, sample: Sample) -> float:
+            return 0.5
+
+    missing = _failures(check_reward(_spec(PerSample)))["score_group"]
+    assert "declares scores_groups, but there is no score_group method" in missing
 
 
 def _failures(results: list[CheckResult]) -> dict[str, str]:
@@ -275,11 +332,9 @@ def miles_register_rewards():
 """
 
 
-def test_cli_check_reports_a_table_and_fails(
-    plant: PlantFn, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cli_check_reports_a_table_and_fails(plant: PlantFn, only: OnlyFn) -> None:
     plant("planted-rewards", PLANTED)
-    monkeypatch.setenv("MILES_LOAD_PLUGINS", "planted-rewards")
+    only("planted-rewards")
     result = CliRunner().invoke(cli, ["plugins", "check", "planted-rewards"])
     assert result.exit_code == 1, result.output
     lines = result.output.splitlines()
@@ -293,8 +348,8 @@ def test_cli_check_reports_a_table_and_fails(
     assert one.exit_code == 0 and "reward 'fine': all checks passed" in one.output
 
 
-def test_cli_check_explains_what_it_cannot_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MILES_LOAD_PLUGINS", "")
+def test_cli_check_explains_what_it_cannot_check(only: OnlyFn) -> None:
+    only()
     missing = CliRunner().invoke(cli, ["plugins", "check", "miles-cor"])
     assert missing.exit_code == 1 and "Did you mean: miles-core" in missing.output
     nothing = CliRunner().invoke(cli, ["plugins", "check", "miles-core"])

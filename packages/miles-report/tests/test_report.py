@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from miles.core.cli import cli
-from miles.core.report import NotARunError, build_report
-from miles.core.report.load import Span, load_run, read_jsonl
-from miles.core.report.steps import run_status, slowest, step_costs, step_of_spans
-from miles.core.report.timeline import build_timeline
+from miles.report import NotARunError, build_report
+from miles.report.command import report
+from miles.report.load import Span, load_run, read_jsonl
+from miles.report.steps import run_status, slowest, step_costs, step_of_spans
+from miles.report.timeline import build_timeline
 
 T0 = 1_800_000_000_000_000_000  # ns
 SEC = 1_000_000_000
@@ -251,7 +252,7 @@ def test_missing_metric_families(tmp_path: Path) -> None:
     out = run_dir / "report"
     out.mkdir()
     (out / "loss.png").write_bytes(b"from an earlier report")  # must not linger
-    proc = CliRunner().invoke(cli, ["report", str(run_dir)])
+    proc = CliRunner().invoke(report, [str(run_dir)])
     assert proc.exit_code == 0, proc.output
     html = assert_embeds_every_png(out, {"reward", "response_length", "throughput"})
     assert "not logged in this run: Loss (train/loss)" in html
@@ -289,7 +290,7 @@ def test_long_run_timeline_is_capped(tmp_path: Path) -> None:
 
 def test_cli_prints_paths(tmp_path: Path) -> None:
     run_dir = write_run(tmp_path / "run")
-    proc = CliRunner().invoke(cli, ["report", str(run_dir), "--out", str(tmp_path / "r")])
+    proc = CliRunner().invoke(report, [str(run_dir), "--out", str(tmp_path / "r")])
     assert proc.exit_code == 0, proc.output
     lines = proc.stdout.splitlines()
     assert lines[0] == str(tmp_path / "r" / "index.html")
@@ -299,20 +300,13 @@ def test_cli_prints_paths(tmp_path: Path) -> None:
 
 def test_cli_not_a_run(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello")
-    proc = CliRunner().invoke(cli, ["report", str(tmp_path)])
+    proc = CliRunner().invoke(report, [str(tmp_path)])
     assert proc.exit_code == 1
     assert "is not a Miles run directory" in proc.output and "config.yaml" in proc.output
     with pytest.raises(NotARunError):
         build_report(tmp_path)
-    missing = CliRunner().invoke(cli, ["report", str(tmp_path / "nope")])
+    missing = CliRunner().invoke(report, [str(tmp_path / "nope")])
     assert missing.exit_code == 2
-
-
-def test_cli_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    proc = CliRunner().invoke(cli, ["report", str(write_run(tmp_path / "run"))])
-    assert proc.exit_code == 1
-    assert "pip install 'miles-core[report]'" in proc.output
 
 
 # ── readers ──────────────────────────────────────────────────────────────────────────────────────
@@ -353,3 +347,13 @@ def _open_span(name: str, service: str, start_s: float, **attributes: Any) -> di
         "attributes": attributes,
         "resource": {"service.name": f"miles.{service}"},
     }
+
+
+def test_the_plugin_adds_the_command_to_miles() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "miles.core.cli", "report", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "Write an HTML report of a run" in out

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from miles.core.components import Component, ComponentSpec, Kind
+from miles.core.components import Capability, Component, ComponentSpec, Kind
 from miles.core.types import Sample
 
 Status = Literal["PASS", "FAIL", "SKIP"]
@@ -297,11 +297,23 @@ def _check_declarations(reward: Any) -> tuple[Status, str, tuple[float, float] |
 
 
 async def _check_score_group(
-    reward: Any, cases: Sequence[Case], bounds: tuple[float, float] | None, timeout: float
+    reward: Any,
+    cases: Sequence[Case],
+    bounds: tuple[float, float] | None,
+    timeout: float,
+    declared: bool | None,
 ) -> tuple[Status, str]:
+    """`declared`: whether the spec declares `scores_groups` (None: no spec to say)."""
     score_group = getattr(reward, "score_group", None)
     if score_group is None:
+        if declared:
+            return "FAIL", "the spec declares scores_groups, but there is no score_group method"
         return "SKIP", "no score_group method"
+    if declared is False:
+        return "FAIL", (
+            "it has score_group, but its spec does not declare Capability.SCORES_GROUPS: runs "
+            "would never call it (add capabilities=frozenset({Capability.SCORES_GROUPS}))"
+        )
     responses = [c.response for c in cases]
     samples = [copy.deepcopy(c.sample) for c in cases]
     what = f"a group of {len(cases)} responses"
@@ -461,7 +473,8 @@ async def acheck_reward(
     garbage = garbage_cases(ordinary[0].sample)
     add_scores("garbage responses", *await _score_all(reward, garbage, bounds, timeout))
     group = [*ordinary[:3], *empty, *garbage[:2]]
-    add("score_group", *await _check_score_group(reward, group, bounds, timeout))
+    groups = spec.has(Capability.SCORES_GROUPS) if spec is not None else None
+    add("score_group", *await _check_score_group(reward, group, bounds, timeout, groups))
     status, detail, unpickled = await _check_picklable(reward, ordinary[0], bounds, timeout)
     add("picklable", status, detail)
     probes = [*ordinary, *empty, garbage[1]]

@@ -8,7 +8,8 @@ Naming: NAME is the reward's name, lowercase letters and digits in words joined 
 * the reward and its entry point ``NAME`` with ``_`` (``math_verify``): what run configs use.
 
 A NAME already starting with ``miles-reward-`` has that prefix dropped. The files come from the
-``templates/reward`` folder shipped in this package; ``{{key}}`` placeholders are filled in.
+``templates/reward`` folder shipped in this package (miles-plugin-kit); ``{{key}}`` placeholders
+are filled in.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from miles.core import __version__
+from miles.core import __version__ as core_version
+from miles.plugin_kit import __version__ as kit_version
 
 _NAME = re.compile(r"[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*")
 _MAX_NAME = 40
@@ -73,22 +75,30 @@ class RewardNames:
         )
 
 
-def core_range(version: str = __version__) -> str:
-    """The miles-core range a new plugin declares: the running core's minor series.
-
-    Before 1.0 a minor release may break plugins (``0.1.0`` gives ``>=0.1,<0.2``); from 1.0, a
-    major release (``1.4.2`` gives ``>=1.4,<2``).
-    """
+def _series(version: str, dist: str) -> str:
+    """The version range of ``version``'s series: before 1.0 a minor release may break plugins
+    (``0.1.0`` gives ``>=0.1,<0.2``); from 1.0, a major release (``1.4.2`` gives ``>=1.4,<2``)."""
     try:
         v = Version(version)
     except InvalidVersion as exc:
-        raise ScaffoldError(f"cannot derive a miles-core range from version {version!r}") from exc
+        raise ScaffoldError(f"cannot derive a {dist} range from version {version!r}") from exc
     upper = f"{v.major}.{v.minor + 1}" if v.major == 0 else f"{v.major + 1}"
     return f">={v.major}.{v.minor},<{upper}"
 
 
+def core_range(version: str = core_version) -> str:
+    """The miles-core range a new plugin declares: the running core's series."""
+    return _series(version, "miles-core")
+
+
+def kit_range(version: str = kit_version) -> str:
+    """The miles-plugin-kit range of a new plugin's `test` extra (its tests import the checks):
+    the running kit's series."""
+    return _series(version, "miles-plugin-kit")
+
+
 def _template_root() -> Traversable:
-    return resources.files("miles.core") / "templates" / "reward"
+    return resources.files("miles.plugin_kit") / "templates" / "reward"
 
 
 def _walk(folder: Traversable, rel: Path = Path()) -> Iterable[tuple[Path, Traversable]]:
@@ -133,6 +143,7 @@ def scaffold_reward(
         "module": names.module,
         "cls": names.cls,
         "core_range": core_range(),
+        "kit_range": kit_range(),
     }
     dest.parent.mkdir(parents=True, exist_ok=True)
     # A hidden sibling (same file system, so the final rename is atomic), made with the umask's mode.

@@ -6,11 +6,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.core.report import figures
-from miles.core.report.html import Report, render
-from miles.core.report.load import load_run
-from miles.core.report.steps import run_status, slowest, step_costs
-from miles.core.report.timeline import build_timeline
+import miles.report.figures as figures
+from miles.report.html import Report, render
+from miles.report.load import load_run
+from miles.report.steps import run_status, slowest, step_costs
+from miles.report.timeline import build_timeline
 
 PAGE = "index.html"
 
@@ -24,9 +24,7 @@ class Written:
 def build_report(run_dir: Path, out_dir: Path | None = None) -> Written:
     """Writes OUT/index.html (self-contained) and OUT/*.png; OUT defaults to RUN_DIR/report.
 
-    Raises NotARunError for a directory that is not a run, and MissingDependencyError without
-    matplotlib."""
-    figures.require_matplotlib()  # before any work, so the error comes first
+    Raises NotARunError for a directory that is not a run."""
     run = load_run(run_dir)
     out = out_dir if out_dir is not None else run_dir / "report"
     curves = [(g, figures.curve_figure(run, g)) for g in figures.CURVES]

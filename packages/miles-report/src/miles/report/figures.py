@@ -1,7 +1,7 @@
 """The report's figures, drawn with matplotlib's Agg backend into PNG bytes.
 
-matplotlib is an optional dependency (`miles-core[report]`): it is imported inside the functions,
-so importing this module never needs it. Figures are built on `Figure` objects, not pyplot, so no
+matplotlib is imported inside the functions that draw, so loading the `miles report` command
+stays fast. Figures are built on `Figure` objects, not pyplot, so no
 global state or GUI backend is involved.
 """
 
@@ -12,20 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from miles.core.report.load import RunData
-from miles.core.report.steps import series
-from miles.core.report.timeline import INNER, Timeline
+from miles.report.load import RunData
+from miles.report.steps import series
+from miles.report.timeline import INNER, Timeline
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 DPI = 100
-INSTALL = "pip install 'miles-core[report]'"
-
-
-class MissingDependencyError(RuntimeError):
-    """matplotlib is not installed."""
 
 
 @dataclass(frozen=True)
@@ -103,15 +98,6 @@ KIND_COLORS: dict[str, str] = {
     "checkpoint": "#8c564b",
     "eval": "#bcbd22",
 }
-
-
-def require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"`miles report` draws its figures with matplotlib, which is not installed: {INSTALL}"
-        ) from exc
 
 
 def curve_figure(run: RunData, group: CurveGroup) -> bytes | None:
@@ -206,7 +192,6 @@ def _layer(kind: str) -> int:
 
 
 def _figure(width: float, height: float) -> Figure:
-    require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-from miles.core.report.figures import CurveGroup
-from miles.core.report.load import RunData
-from miles.core.report.steps import PARTS, RunStatus, StepCost, last_value, mean
-from miles.core.report.timeline import Timeline
+from miles.report.figures import CurveGroup
+from miles.report.load import RunData
+from miles.report.steps import PARTS, RunStatus, StepCost, last_value, mean
+from miles.report.timeline import Timeline
 
 
 @dataclass

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from miles.core.report.load import RunData, Span, seconds_since
+from miles.report.load import RunData, Span, seconds_since
 
 State = Literal["finished", "failed", "running"]
 

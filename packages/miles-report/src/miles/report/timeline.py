@@ -11,8 +11,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from miles.core.report.load import RunData, Span
-from miles.core.report.steps import step_of_spans
+from miles.report.load import RunData, Span
+from miles.report.steps import step_of_spans
 
 # span name -> kind of bar. Spans not named here (setup, take, rollout groups) are not drawn.
 KINDS: dict[str, str] = {
