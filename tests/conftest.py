@@ -72,11 +72,12 @@ CHAOS_PLUGIN = '''
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 
-from miles.core import ComponentSpec, Kind, hookimpl
+from miles.core import hookimpl
+from miles.torch import plugin
 from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.train.config import FSDPConfig
 
@@ -103,10 +104,12 @@ class ChaosEngineConfig(TorchEngineConfig):
     step_delay_s: float = 0.0  # a slow engine: this long per model step
 
 
-def make_engine(config, model_path, *, device, seed):
-    from miles.torch.engine.engine import TorchRolloutEngine
+def make_engine(config, setup):
+    from miles.torch.plugin import make_engine as make_torch_engine
 
-    class ChaosEngine(TorchRolloutEngine):
+    engine = make_torch_engine(config, setup)
+
+    class ChaosEngine(type(engine)):
         calls = 0
 
         def generate(self, requests):
@@ -128,10 +131,8 @@ def make_engine(config, model_path, *, device, seed):
                 _die()
             threading.Event().wait()  # hang: never return, never raise
 
-    return ChaosEngine(
-        model_path, device=device, dtype=config.dtype, max_batch_size=config.max_batch_size,
-        seed=seed,
-    )
+    engine.__class__ = ChaosEngine  # the torch engine, failing on cue
+    return engine
 
 
 @dataclass
@@ -140,7 +141,7 @@ class ChaosFSDPConfig(FSDPConfig):
     marker: str = ""
 
 
-def make_trainer(config, model_path, **kwargs):
+def make_trainer(config, setup):
     from miles.torch.train.fsdp import FSDPTrainer
 
     class ChaosTrainer(FSDPTrainer):
@@ -152,17 +153,19 @@ def make_trainer(config, model_path, **kwargs):
                 _die()
             return super().train_step(batch, loss)
 
-    return ChaosTrainer(config, model_path, **kwargs)
+    return ChaosTrainer(config, setup)
 
 
 @hookimpl
 def miles_register_rollout_backends():
-    return [ComponentSpec(Kind.ROLLOUT_BACKEND, "chaos_torch", make_engine, "faulty", ChaosEngineConfig)]
+    torch = plugin.miles_register_rollout_backends()[0]
+    return [replace(torch, name="chaos_torch", factory=make_engine, config=ChaosEngineConfig)]
 
 
 @hookimpl
 def miles_register_train_backends():
-    return [ComponentSpec(Kind.TRAIN_BACKEND, "chaos_fsdp", make_trainer, "faulty", ChaosFSDPConfig)]
+    fsdp = plugin.miles_register_train_backends()[0]
+    return [replace(fsdp, name="chaos_fsdp", factory=make_trainer, config=ChaosFSDPConfig)]
 '''
 CHAOS_PLUGIN_DIST = "miles_test_chaos-0.1.0.dist-info"
 # A third-party model family plus a recipe that uses it: Llama, which Miles itself does not cover.
@@ -330,20 +333,68 @@ def _is_miles(entry: str) -> bool:
     return lowered.startswith(("miles", "__editable__.miles", "_miles"))
 
 
-def make_venv(path: Path, *wheels: Path) -> Path:
-    """A virtual environment holding exactly these wheels, plus this environment's third parties."""
+def make_venv(path: Path, *wheels: Path, only_declared: bool = False) -> Path:
+    """A virtual environment holding exactly these wheels, plus this environment's third parties:
+    all of them, or (`only_declared`) only what the wheels declare they need, transitively."""
     import sysconfig
     import venv
 
     venv.EnvBuilder(with_pip=False).create(path)
     site = Path(sysconfig.get_paths(vars={"base": str(path), "platbase": str(path)})["purelib"])
     here = Path(sysconfig.get_paths()["purelib"])
-    for entry in here.iterdir():
-        if not _is_miles(entry.name) and entry.name != "__pycache__":
-            (site / entry.name).symlink_to(entry)
+    if only_declared:
+        entries = {here / name for name in _top_level_entries(_dependency_closure(wheels))}
+    else:
+        entries = {e for e in here.iterdir() if not _is_miles(e.name) and e.name != "__pycache__"}
+    for entry in sorted(entries):
+        (site / entry.name).symlink_to(entry)
     pip = (sys.executable, "-m", "pip", "--python", path / "bin/python", "install", "-q")
     sh(*pip, "--no-deps", "--no-index", *wheels)
     return path
+
+
+def _dependency_closure(wheels: tuple[Path, ...]) -> set[str]:
+    """The installed distributions these wheels require, with what those require, and so on
+    (markers evaluated; extras not requested are left out)."""
+    import importlib.metadata as md
+    import zipfile
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    def requirements(lines: list[str]) -> list[Requirement]:
+        reqs = [Requirement(line) for line in lines]
+        return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+    todo: list[Requirement] = []
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+            text = zf.read(meta).decode()
+        todo += requirements(
+            [ln[14:] for ln in text.splitlines() if ln.startswith("Requires-Dist: ")]
+        )
+    seen: set[str] = set()
+    while todo:
+        name = canonicalize_name(todo.pop().name)
+        if name in seen or name.startswith("miles"):
+            continue
+        seen.add(name)
+        todo += requirements(md.distribution(name).requires or [])
+    return seen
+
+
+def _top_level_entries(dists: set[str]) -> set[str]:
+    """The site-packages entries (packages, modules, dist-info) of these distributions."""
+    import importlib.metadata as md
+
+    entries: set[str] = set()
+    for name in dists:
+        for file in md.distribution(name).files or []:
+            top = file.parts[0]
+            if top not in ("..", "__pycache__") and not top.endswith(".pth"):
+                entries.add(top)
+    return entries
 
 
 def venv_env() -> dict[str, str]:

@@ -1,7 +1,8 @@
 """The publish-a-reward kit end to end: scaffold, build, install, check; and check catching bugs.
 
-Both packages are real wheels installed into throwaway virtual environments next to a miles-core
-wheel (see conftest.py), so entry points, package data and the `miles` script are the real ones.
+Both packages are real wheels installed into throwaway virtual environments next to the wheels of
+miles-core and miles-plugin-kit (which brings `miles plugins new` and `check`; see conftest.py), so
+entry points, package data and the `miles` script are the real ones.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from miles.core.scaffold import RewardNames, scaffold_reward
+import pytest
 
-from .conftest import build_wheel, make_venv, sh, venv_env
+from miles.plugin_kit.scaffold import RewardNames, scaffold_reward
+
+from .conftest import ROOT, build_wheel, make_venv, sh, venv_env
 
 # Four rewards, each breaking one rule that `miles plugins check` enforces.
 BAD_PLUGIN = """
@@ -66,15 +69,26 @@ def miles_register_rewards():
 """
 
 
-def test_scaffolded_reward_builds_installs_and_passes(tmp_path: Path, core_wheel: Path) -> None:
-    # The installed core's own `miles plugins new`: its templates ship in the wheel.
-    core_env = make_venv(tmp_path / "core-venv", core_wheel)
+@pytest.fixture(scope="module")
+def kit_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """miles-plugin-kit, built once for these tests."""
+    return build_wheel(ROOT / "packages/miles-plugin-kit", tmp_path_factory.mktemp("kit-wheel"))
+
+
+def test_scaffolded_reward_builds_installs_and_passes(
+    tmp_path: Path, core_wheel: Path, kit_wheel: Path
+) -> None:
+    # The installed kit's `miles plugins new`: its templates ship in the wheel.
+    kit_env = make_venv(tmp_path / "kit-venv", core_wheel, kit_wheel)
+    help_text = sh(kit_env / "bin/miles", "plugins", "--help", env=venv_env())
+    assert {"list", "show", "new", "check"} <= set(help_text.partition("Commands:")[2].split())
     new = ("plugins", "new", "reward", "acme-contains")
-    out = sh(core_env / "bin/miles", *new, cwd=tmp_path, env=venv_env())
+    out = sh(kit_env / "bin/miles", *new, cwd=tmp_path, env=venv_env())
     assert "created miles-reward-acme-contains" in out
     project = tmp_path / "miles-reward-acme-contains"
     names = RewardNames.parse("acme-contains")
-    env = make_venv(tmp_path / "venv", core_wheel, build_wheel(project, tmp_path / "dist"))
+    plugin_wheel = build_wheel(project, tmp_path / "dist")
+    env = make_venv(tmp_path / "venv", core_wheel, kit_wheel, plugin_wheel)
 
     listed = sh(env / "bin/miles", "plugins", "list", env=venv_env())
     assert "miles-reward-acme-contains" in listed and "acme_contains" in listed
@@ -88,10 +102,13 @@ def test_scaffolded_reward_builds_installs_and_passes(tmp_path: Path, core_wheel
     assert "2 passed" in tests
 
 
-def test_check_fails_bad_rewards_saying_what_is_wrong(tmp_path: Path, core_wheel: Path) -> None:
+def test_check_fails_bad_rewards_saying_what_is_wrong(
+    tmp_path: Path, core_wheel: Path, kit_wheel: Path
+) -> None:
     names, project = scaffold_reward("bad", tmp_path / "project")
     (project / "src" / names.module / "plugin.py").write_text(BAD_PLUGIN)
-    env = make_venv(tmp_path / "venv", core_wheel, build_wheel(project, tmp_path / "dist"))
+    plugin_wheel = build_wheel(project, tmp_path / "dist")
+    env = make_venv(tmp_path / "venv", core_wheel, kit_wheel, plugin_wheel)
 
     proc = subprocess.run(
         [env / "bin/miles", "plugins", "check", names.dist],

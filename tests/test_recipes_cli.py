@@ -58,10 +58,10 @@ def test_plan_every_frontier_recipe_fits_its_cluster_and_not_a_smaller_gpu() -> 
     manager = get_plugin_manager()
     for name in FRONTIER:
         config = parse(dict(manager.get(Kind.RECIPE, name).spec.factory().config))
-        result = plan(config, manager)
+        result = plan(config)
         assert result.fits is True, (name, result.to_json())
         assert result.shape.params.total > 1e11
-        assert plan(config, manager, gpu_mem_gb=24).fits is False, name
+        assert plan(config, gpu_mem_gb=24).fits is False, name
     # The same through the CLI, once: JSON, and exit code 1 when it does not fit.
     proc = run_miles("recipes", "plan", "kimi-k2.6-grpo", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["fits"] is True, proc.stderr

@@ -18,5 +18,10 @@ fi
 
 echo "== ruff check" && ruff check .
 echo "== ruff format --check" && ruff format --check .
-echo "== mypy (miles-core)" && mypy packages/miles-core/src
+# Every package's import package (miles.core, miles.torch, ...), checked together.
+mypy_packages=()
+for d in packages/*/src/miles/*/; do
+  name=$(basename "$d"); [[ $name == __* ]] || mypy_packages+=(-p "miles.$name")
+done
+echo "== mypy (every package)" && mypy "${mypy_packages[@]}"
 echo "== pytest" && python -m pytest "$@"

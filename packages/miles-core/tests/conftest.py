@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from miles.core import plugins
+
 _counter = itertools.count()
 
 PlantFn = Callable[..., str]
@@ -21,6 +23,8 @@ def plant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PlantFn:
     Returns the module's (unique) name. This is exactly what pip leaves on disk for a plugin.
     """
     monkeypatch.syspath_prepend(str(tmp_path))
+    # The process-wide plugin manager loads again on next use, seeing the planted plugins.
+    monkeypatch.setattr(plugins, "_manager", None)
     monkeypatch.delenv("MILES_LOAD_PLUGINS", raising=False)
     monkeypatch.delenv("MILES_DISABLE_PLUGINS", raising=False)
 

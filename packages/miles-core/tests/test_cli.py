@@ -72,7 +72,9 @@ def test_components_list_filters_by_kind(plant: PlantFn) -> None:
         "distribution": "comp-plugin",
         "version": "1.0.0",
         "summary": "always one",
+        "capabilities": [],
     }
+
     assert all(r["kind"] == "reward" for r in rows)
     bad = CliRunner().invoke(cli, ["components", "list", "--kind", "rewards"])
     assert bad.exit_code == 2 and "unknown kind 'rewards'" in bad.output

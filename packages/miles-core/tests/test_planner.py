@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from miles.core.components import Kind
+from miles.core import plugins
+from miles.core.components import Component, ComponentSpec, Kind
 from miles.core.config import parse
 from miles.core.family import ModelFamily, ModelShape, ParallelHints, ParamCounts
-from miles.core.planner import (
-    GB,
-    PlanError,
-    UnsizedModel,
-    format_plan,
-    layout_of,
-    parse_memory,
-    plan,
-    rescale,
+from miles.core.gpu_memory import MemoryParseError, parse_memory
+from miles.core.memory import (
+    PrecisionBytes,
+    TrainBytes,
+    TrainInputs,
+    sharded_data_parallel,
 )
+from miles.core.plan_table import format_plan
+from miles.core.planner import GB, PlanError, UnsizedModel, layout_of, plan, rescale
+from miles.core.plugins import PluginManager
 
 PARAMS = ParamCounts(embedding=1000, lm_head=1000, layers=6000, experts=8000, other=0)
 SHAPE = ModelShape(
@@ -44,30 +46,40 @@ FAMILY = ModelFamily(
 )
 
 
-class _Spec:
-    def __init__(self, factory: Any, config: type | None = None) -> None:
-        self.factory, self.config = factory, config
+@dataclass
+class ShardedOptions:
+    micro_batch_tokens: int = 8192
+    activation_checkpointing: bool = False
 
 
-class _Entry:
-    def __init__(self, spec: _Spec) -> None:
-        self.spec = spec
+def sharded_memory(inputs: TrainInputs, options: ShardedOptions) -> TrainBytes:
+    return sharded_data_parallel(
+        inputs,
+        micro_batch_tokens=options.micro_batch_tokens,
+        activation_checkpointing=options.activation_checkpointing,
+        reference_copy=inputs.reference,
+    )
 
 
-class _Registry:
-    def names(self, kind: Kind) -> list[str]:
-        return ["toy"] if kind == Kind.FAMILY else []
+def _spec(kind: Kind, name: str, factory: Any = None, **fields: Any) -> Component:
+    spec = ComponentSpec(kind, name, factory or (lambda *a, **k: None), "test", **fields)
+    return Component(spec, "test-plugins", "0")
 
 
-class FakeManager:
-    """Only the toy family; backends unknown (their options are taken as given)."""
-
-    registry = _Registry()
-
-    def get(self, kind: Kind, name: str) -> _Entry:
-        if kind == Kind.FAMILY and name == "toy":
-            return _Entry(_Spec(lambda: FAMILY))
-        raise LookupError(name)
+@pytest.fixture(autouse=True)
+def installed(monkeypatch: pytest.MonkeyPatch) -> PluginManager:
+    """The process-wide plugins, as far as the planner sees them: the toy family, a sharded
+    train backend declaring its memory model, and bf16; "megatron" and the rollout backends
+    are not installed."""
+    manager = PluginManager()
+    for component in (
+        _spec(Kind.FAMILY, "toy", factory=lambda: FAMILY),
+        _spec(Kind.TRAIN_BACKEND, "sharded", config=ShardedOptions, memory=sharded_memory),
+        _spec(Kind.PRECISION, "bf16", memory=lambda config: PrecisionBytes(2, 2)),
+    ):
+        manager.registry.add(component)
+    monkeypatch.setattr(plugins, "_manager", manager)
+    return manager
 
 
 @pytest.fixture
@@ -82,7 +94,7 @@ def _run(model: str, **sections: Any) -> Any:
         "data": {"path": "x.jsonl"},
         "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 100},
         "planner": {"prompt_tokens": 28},
-        "train": {"micro_batch_tokens": 50},
+        "train": {"backend": "sharded", "micro_batch_tokens": 50},
         "precision": "bf16",
     }
     for key, value in sections.items():
@@ -90,24 +102,24 @@ def _run(model: str, **sections: Any) -> Any:
     return parse(data)
 
 
-def test_fsdp_shards_master_weights_grads_and_adam_over_every_rank(model: str) -> None:
-    p = plan(_run(model, train={"world_size": 4}), FakeManager())
+def test_a_sharded_backend_shards_master_weights_grads_and_adam_over_every_rank(model: str) -> None:
+    p = plan(_run(model, train={"world_size": 4}))
     total = PARAMS.language_model  # 16000
     biggest_layer = (PARAMS.layers + PARAMS.experts) / 4  # gathered whole, in bf16
-    assert p.train["weights"] == pytest.approx(4 * total / 4 + 2 * biggest_layer)
-    assert p.train["gradients"] == pytest.approx(4 * total / 4)
-    assert p.train["optimizer"] == pytest.approx(8 * total / 4)
+    assert p.train.weights == pytest.approx(4 * total / 4 + 2 * biggest_layer)
+    assert p.train.gradients == pytest.approx(4 * total / 4)
+    assert p.train.optimizer == pytest.approx(8 * total / 4)
     # 50 tokens x 400 saved elements x 2 bytes, plus bf16 logits and 16 bytes of fp32 each.
-    assert p.train["activations"] == pytest.approx(50 * 400 * 2 + 50 * 100 * 18)
+    assert p.train.activations == pytest.approx(50 * 400 * 2 + 50 * 100 * 18)
 
 
 def test_activation_checkpointing_keeps_only_layer_inputs(model: str) -> None:
-    p = plan(_run(model, train={"activation_checkpointing": True}), FakeManager())
+    p = plan(_run(model, train={"activation_checkpointing": True}))
     per_layer = 400 / 4
-    assert p.train["activations"] == pytest.approx(50 * (10 * 4 + per_layer) * 2 + 50 * 100 * 18)
+    assert p.train.activations == pytest.approx(50 * (10 * 4 + per_layer) * 2 + 50 * 100 * 18)
 
 
-def test_megatron_splits_by_tp_pp_ep_and_the_optimizer_by_dp(model: str) -> None:
+def test_a_backend_not_installed_is_sized_model_parallel_and_said_so(model: str) -> None:
     run = _run(
         model,
         train={
@@ -116,32 +128,34 @@ def test_megatron_splits_by_tp_pp_ep_and_the_optimizer_by_dp(model: str) -> None
             "parallel": {"tensor": 2, "pipeline": 2, "expert": 4},
         },
     )
-    p = plan(run, FakeManager())
+    p = plan(run)
     share = 6000 / (2 * 2) + 8000 / (2 * 4) + 1000 / 2  # stage layers + experts + vocab part
-    assert p.train["weights"] == pytest.approx(2 * share)
-    assert p.train["gradients"] == pytest.approx(4 * share)
-    assert p.train["optimizer"] == pytest.approx(12 * share / 4)  # DP = 16 / (2 x 2)
-    assert p.train["activations"] == pytest.approx((50 * 400 * 2 + 50 * 100 * 18) / 2)
+    assert p.train.weights == pytest.approx(2 * share)
+    assert p.train.gradients == pytest.approx(4 * share)
+    assert p.train.optimizer == pytest.approx(12 * share / 4)  # DP = 16 / (2 x 2)
+    assert p.train.activations == pytest.approx((50 * 400 * 2 + 50 * 100 * 18) / 2)
+    assert any("'megatron' is not installed here" in n for n in p.notes)
+    assert any("rollout backend 'torch' is not installed here" in n for n in p.notes)
 
 
 def test_rollout_kv_cache_is_sized_for_the_engine_concurrency(model: str) -> None:
     run = _run(model, rollout={"engines": 2, "gpus_per_engine": 2, "max_batch_size": 10})
-    p = plan(run, FakeManager())
+    p = plan(run)
     concurrency = min(math.ceil(8 * 4 / 2), 10)
-    assert p.rollout["kv_cache"] == pytest.approx(concurrency * (128 * 40 + 500) * 2 / 2)
-    assert p.rollout["weights"] == pytest.approx(2 * 16000 / 2)
+    assert p.rollout.kv_cache == pytest.approx(concurrency * (128 * 40 + 500) * 2 / 2)
+    assert p.rollout.weights == pytest.approx(2 * 16000 / 2)
     # One layer's working set over the prompts it prefills (10 x 28 tokens).
-    assert p.rollout["activations"] == pytest.approx(10 * 28 * (400 / 4) * 2 / 2)
+    assert p.rollout.activations == pytest.approx(10 * 28 * (400 / 4) * 2 / 2)
 
 
 def test_fits_against_gpu_memory_and_says_what_dominates(model: str) -> None:
-    p = plan(_run(model), FakeManager(), gpu_mem_gb=1.0)
+    p = plan(_run(model), gpu_mem_gb=1.0)
     assert p.fits is True
-    tight = plan(_run(model), FakeManager(), gpu_mem_gb=100e3 / GB)
+    tight = plan(_run(model), gpu_mem_gb=100e3 / GB)
     assert tight.fits is False
     text = format_plan(tight)
     assert "DOES NOT FIT" in text and "rollout GPUs: most of it is the KV cache" in text
-    assert plan(_run(model), FakeManager()).fits is None  # no memory given: nothing to check
+    assert plan(_run(model)).fits is None  # no memory given: nothing to check
 
 
 def test_rescale_keeps_model_parallel_shapes_and_the_split(model: str) -> None:
@@ -163,13 +177,13 @@ def test_layout_errors_name_the_model_dimension(model: str) -> None:
         rollout={"gpus_per_engine": 3},
     )
     with pytest.raises(PlanError) as err:
-        plan(run, FakeManager())
+        plan(run)
     assert "does not divide the model's num_attention_heads (8)" in str(err.value)
 
 
 def test_an_unknown_model_cannot_be_sized(tmp_path: Path) -> None:
     with pytest.raises(UnsizedModel, match="no installed family knows"):
-        plan(_run("org/unknown-model"), FakeManager())
+        plan(_run("org/unknown-model"))
 
 
 @pytest.mark.parametrize(
@@ -177,5 +191,5 @@ def test_an_unknown_model_cannot_be_sized(tmp_path: Path) -> None:
 )
 def test_parse_memory(text: str, gb: float) -> None:
     assert parse_memory(text) == pytest.approx(gb)
-    with pytest.raises(PlanError):
+    with pytest.raises(MemoryParseError):
         parse_memory("lots")

@@ -61,5 +61,9 @@ class _Batched:
 
 def test_group_rewards_score_once_per_group() -> None:
     group = [Sample(prompt_ids=[0], response_ids=[i]) for i in (44, 5)]
-    asyncio.run(RewardScorer(_Batched(), "b", _Tok(), on_error="fail", timeout_s=1).score(group))
+    asyncio.run(
+        RewardScorer(_Batched(), "b", _Tok(), groups=True, on_error="fail", timeout_s=1).score(
+            group
+        )
+    )
     assert [s.reward for s in group] == [1.0, 0.0] and _Batched.calls == 1

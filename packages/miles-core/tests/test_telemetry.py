@@ -142,11 +142,11 @@ def test_human_logs_on_a_terminal_json_lines_otherwise(
 
 
 def test_progress_bar_shows_reward_step_time_and_eta(monkeypatch: pytest.MonkeyPatch) -> None:
-    from miles.core.runtime.controller import _Progress
+    from miles.core.runtime.progress import Progress
 
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
-    progress = _Progress(4, 0, enabled=True)
+    progress = Progress(4, 0, enabled=True)
     for step in range(2):
         progress.update({"rollout/reward_mean": 0.25 * (step + 1), "perf/step_s": 1.5})
     progress.close()
