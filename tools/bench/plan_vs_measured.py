@@ -35,7 +35,7 @@ def write_checkpoint(checkpoint: str, layers: int | None, out: Path) -> dict[str
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from miles.recipes import architectures
-    from miles.recipes.quickstart_task import build_tokenizer
+    from miles.recipes.words import build_tokenizer
 
     config = architectures.config_for(checkpoint)
     if config is None:
@@ -62,14 +62,16 @@ def write_checkpoint(checkpoint: str, layers: int | None, out: Path) -> dict[str
 
 def measure_train(path: str, tokens: int, seq_len: int) -> float:
     from miles.core.types import PackedBatch, Sample
-    from miles.torch.train.config import FSDPConfig
-    from miles.torch.train.fsdp import FSDPTrainer
+    from miles.torch.testing import make_trainer
 
-    cfg = FSDPConfig(
-        lr=1e-6, micro_batch_tokens=tokens, dtype="bfloat16", activation_checkpointing=True
-    )
-    trainer = FSDPTrainer(
-        cfg, path, rank=0, world_size=1, master_addr="127.0.0.1", master_port=29533, device="cuda"
+    trainer = make_trainer(
+        path,
+        master_port=29533,
+        device="cuda",
+        lr=1e-6,
+        micro_batch_tokens=tokens,
+        dtype="bfloat16",
+        activation_checkpointing=True,
     )
     rng = np.random.default_rng(0)
     n = tokens // seq_len
@@ -126,7 +128,6 @@ def measure_rollout(path: str, concurrency: int, prompt: int, new: int) -> tuple
 def planned(path: str, tokens: int, concurrency: int, prompt: int, new: int) -> dict[str, Any]:
     from miles.core.config import parse
     from miles.core.planner import plan
-    from miles.core.plugins import get_plugin_manager
 
     run = parse(
         {
@@ -147,7 +148,7 @@ def planned(path: str, tokens: int, concurrency: int, prompt: int, new: int) -> 
             "planner": {"prompt_tokens": prompt},
         }
     )
-    return plan(run, get_plugin_manager()).to_json()
+    return plan(run).to_json()
 
 
 def main() -> None:
