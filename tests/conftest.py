@@ -126,7 +126,7 @@ def make_engine(config, setup):
             return super()._step(batch, pending)
 
         def _failing(self, inner):
-            yield next(inner)  # one request finishes, the others are mid-generation
+            yield next(inner)[:1]  # one request finishes, the others are mid-generation
             if config.fault == "kill":
                 _die()
             threading.Event().wait()  # hang: never return, never raise

@@ -80,7 +80,7 @@ def run_engine(path, prompts, sampling: SamplingParams, max_batch_size: int, rep
     engine = TorchRolloutEngine(path, device=device, max_batch_size=max_batch_size)
     reqs = [GenerateRequest(i, p, sampling) for i, p in enumerate(prompts)]
     seconds, results = best_time(
-        lambda: sorted(engine.generate(reqs), key=lambda r: r.request_id), repeats
+        lambda: sorted(engine.results(reqs), key=lambda r: r.request_id), repeats
     )
     return seconds, [r.response_ids for r in results], [r.logprobs for r in results]
 
@@ -220,7 +220,7 @@ def bench_ragged(args, lines: list[str]) -> None:
             )
             for i in ids
         ]
-        return sum(min(len(r.response_ids), budgets[r.request_id]) for r in engine.generate(reqs))
+        return sum(min(len(r.response_ids), budgets[r.request_id]) for r in engine.results(reqs))
 
     def waves(pad_to_longest: bool = False) -> int:
         return sum(run(range(s, s + size), pad_to_longest) for s in range(0, n, size))

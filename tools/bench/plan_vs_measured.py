@@ -115,7 +115,7 @@ def measure_rollout(path: str, concurrency: int, prompt: int, new: int) -> tuple
     ]
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    tokens = sum(len(r.response_ids) for r in engine.generate(requests))
+    tokens = sum(len(r.response_ids) for r in engine.results(requests))
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / GB
     print(f"rollout: {tokens} tokens in {seconds:.1f} s")

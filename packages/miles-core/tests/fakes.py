@@ -43,7 +43,8 @@ HANG = "hang"
 
 
 class _Stream:
-    """Each item: a result (streamed as an awaitable), an exception (raised), or HANG."""
+    """Each item: a list of results finished together (streamed as an awaitable), an exception
+    (raised), or HANG."""
 
     def __init__(self, items: list[Any]) -> None:
         self._items = items
@@ -60,7 +61,7 @@ class _Stream:
             raise item
         if item == HANG:
             await asyncio.Event().wait()  # never set
-        future: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[list[GenerateResult]] = asyncio.get_running_loop().create_future()
         future.set_result(item)
         return future
 
@@ -104,7 +105,7 @@ class FakeEngine:
             reason = "abort" if self.paused else "length"
             n = 0 if self.paused else min(self.tokens, r.sampling.max_new_tokens)
             ids = [r.request_id * 100 + len(r.prompt_ids) + k for k in range(n)]
-            items.append(GenerateResult(r.request_id, ids, [-0.5] * n, reason, self.version))
+            items.append([GenerateResult(r.request_id, ids, [-0.5] * n, reason, self.version)])
         return items
 
     def health(self) -> dict[str, Any]:

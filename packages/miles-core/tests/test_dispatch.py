@@ -127,7 +127,8 @@ def test_requests_cut_short_by_a_weight_update(mode: str) -> None:
             items = original(requests)
             if len(engine.calls) == 1:
                 items = [
-                    type(r)(r.request_id, r.response_ids, r.logprobs, "abort", 0) for r in items
+                    [type(r)(r.request_id, r.response_ids, r.logprobs, "abort", 0) for r in item]
+                    for item in items
                 ]
             return items
 

@@ -108,9 +108,13 @@ class Subscriber:
         self.routes.append(routes)
         self.events.append("held" if routes.held else "released")
 
-    def drained(self) -> None:
-        paused = all(e.paused for e in self.engines)
-        self.events.append(f"drained (engines paused: {paused})")
+    async def hold(self, routes: Routes) -> None:
+        self.set_routes(routes)
+        for _ in range(100):  # drained: once the pauses landed (a replaced engine never pauses)
+            if all(e.paused for e in self.engines):
+                break
+            await asyncio.sleep(0)
+        self.events.append(f"drained (engines paused: {all(e.paused for e in self.engines)})")
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ def test_engine_logprobs_match_transformers_forward(twin: Any) -> None:
         GenerateRequest(request_id=i, prompt_ids=p, sampling=sampling)
         for i, p in enumerate(prompts)
     ]
-    results = {r.request_id: r for r in engine.generate(requests)}
+    results = {r.request_id: r for r in engine.results(requests)}
     reference = load_causal_lm(path, dtype=torch.float32).eval()
     for i, prompt in enumerate(prompts):
         result = results[i]

@@ -22,7 +22,7 @@ class _Ctx:
         self.engine, self.sampling, self.tokenizer = engine, sampling, engine.tokenizer
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        return list(self.engine.generate(requests))
+        return list(self.engine.results(requests))
 
 
 class _Scripted:

@@ -40,7 +40,7 @@ def test_logprobs_match_transformers_forward(tiny_model, arch, temperature):
     engine = TorchRolloutEngine(path, max_batch_size=3)
     sampling = SamplingParams(temperature=temperature, top_p=0.9, max_new_tokens=12)
     requests = make_requests(sampling)
-    results = by_id(engine.generate(requests))
+    results = by_id(engine.results(requests))
     assert sorted(results) == [r.request_id for r in requests]
 
     model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -59,7 +59,7 @@ def test_batch_size_does_not_change_greedy_results(tiny_model):
     outputs = []
     for max_batch_size in (1, 3, 64):
         engine = TorchRolloutEngine(tiny_model("qwen3"), max_batch_size=max_batch_size)
-        outputs.append(by_id(engine.generate(requests)))
+        outputs.append(by_id(engine.results(requests)))
     for req in requests:
         ids = [out[req.request_id].response_ids for out in outputs]
         assert ids[0] == ids[1] == ids[2]
@@ -74,13 +74,27 @@ def test_results_stream_in_finishing_order(tiny_model):
         GenerateRequest(i, [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=n))
         for i, n in enumerate(budgets)
     ]
-    stream = engine.generate(requests)
+    stream = engine.results(requests)
     assert next(stream).request_id == 1  # the one-token request is yielded before the rest run
     rest = list(stream)
     # Rows that stop early on eos could come sooner; none can come later than its budget.
     assert {r.request_id for r in rest} == {0, 2, 3}
     for r in rest:
         assert len(r.response_ids) <= budgets[r.request_id]
+
+
+def test_results_finished_together_stream_as_one_item(tiny_model):
+    """One message per model step that finished anything, not one per request."""
+    engine = TorchRolloutEngine(tiny_model("qwen3"))
+    budgets = [1, 1, 1, 3]
+    requests = [
+        GenerateRequest(i, [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=n))
+        for i, n in enumerate(budgets)
+    ]
+    items = list(engine.generate(requests))
+    assert sorted(r.request_id for r in items[0]) == [0, 1, 2]  # all three after one token
+    assert sorted(r.request_id for item in items for r in item) == [0, 1, 2, 3]
+    assert all(item for item in items)  # no empty item
 
 
 def test_protocol_and_lifecycle(tiny_model):
@@ -96,20 +110,20 @@ def test_protocol_and_lifecycle(tiny_model):
     # On CPU release_memory frees nothing, but the engine refuses work until resume_memory.
     engine.release_memory()
     with pytest.raises(RuntimeError, match="resume_memory"):
-        engine.generate(make_requests(SamplingParams(max_new_tokens=2)))
+        engine.results(make_requests(SamplingParams(max_new_tokens=2)))
     engine.resume_memory()
-    assert len(list(engine.generate(make_requests(SamplingParams(max_new_tokens=2))))) == 8
+    assert len(list(engine.results(make_requests(SamplingParams(max_new_tokens=2))))) == 8
 
 
 def test_bad_requests_fail_at_call_time(tiny_model):
     engine = TorchRolloutEngine(tiny_model("qwen3"))
     with pytest.raises(ValueError, match="empty prompt"):
-        engine.generate([GenerateRequest(7, [], SamplingParams())])
+        engine.results([GenerateRequest(7, [], SamplingParams())])
     with pytest.raises(ValueError, match="max_new_tokens"):
-        engine.generate([GenerateRequest(7, [1], SamplingParams(max_new_tokens=-1))])
+        engine.results([GenerateRequest(7, [1], SamplingParams(max_new_tokens=-1))])
     with pytest.raises(ValueError, match="dtype"):
         TorchRolloutEngine(tiny_model("qwen3"), dtype="float8")
-    zero = list(engine.generate([GenerateRequest(7, [4, 5], SamplingParams(max_new_tokens=0))]))
+    zero = list(engine.results([GenerateRequest(7, [4, 5], SamplingParams(max_new_tokens=0))]))
     assert [(r.response_ids, r.finish_reason) for r in zero] == [([], "length")]
 
 
@@ -119,7 +133,7 @@ def test_pause_aborts_running_and_queued_requests(tiny_model):
         GenerateRequest(i, [5, 6, 7 + i], SamplingParams(temperature=0.0, max_new_tokens=n))
         for i, n in enumerate([1, 8, 8, 8])
     ]
-    stream = engine.generate(requests)
+    stream = engine.results(requests)
     first = next(stream)
     assert (first.request_id, first.finish_reason) == (0, "length")
     engine.pause()
@@ -130,18 +144,18 @@ def test_pause_aborts_running_and_queued_requests(tiny_model):
     assert rest[2].response_ids == rest[3].response_ids == []  # never admitted
 
     with pytest.raises(RuntimeError, match="paused"):
-        engine.generate(requests)
+        engine.results(requests)
     engine.resume()
-    assert {r.finish_reason for r in engine.generate(requests)} <= {"stop", "length"}
+    assert {r.finish_reason for r in engine.results(requests)} <= {"stop", "length"}
 
 
 @pytest.mark.gpu
 def test_cuda_matches_cpu_and_releases_memory(tiny_model):
     path = tiny_model("qwen3")
     requests = make_requests(SamplingParams(temperature=0.0, max_new_tokens=8))
-    cpu = by_id(TorchRolloutEngine(path).generate(requests))
+    cpu = by_id(TorchRolloutEngine(path).results(requests))
     engine = TorchRolloutEngine(path, device="cuda")
-    gpu = by_id(engine.generate(requests))
+    gpu = by_id(engine.results(requests))
     for req in requests:
         torch.testing.assert_close(
             torch.tensor(gpu[req.request_id].logprobs),
@@ -155,4 +169,4 @@ def test_cuda_matches_cpu_and_releases_memory(tiny_model):
     engine.resume_memory()
     assert next(engine.model.parameters()).device.type == "cuda"
     assert engine.weights_checksum() == checksum
-    assert len(list(engine.generate(requests))) == len(requests)
+    assert len(list(engine.results(requests))) == len(requests)

@@ -220,7 +220,7 @@ def test_engine_matches_transformers(arch_model, arch):
 
     for temperature in (0.0, 1.0):
         requests = make_requests(temperature)
-        results: dict[int, GenerateResult] = {r.request_id: r for r in engine.generate(requests)}
+        results: dict[int, GenerateResult] = {r.request_id: r for r in engine.results(requests)}
         assert sorted(results) == [r.request_id for r in requests]
         for req in requests:
             res = results[req.request_id]

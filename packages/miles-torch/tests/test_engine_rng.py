@@ -17,7 +17,7 @@ PROMPTS = [[5, 6, 7, 8], [40, 41], [90, 12, 13]]
 def sample(engine: TorchRolloutEngine) -> list[list[int]]:
     params = SamplingParams(temperature=1.0, max_new_tokens=12)
     requests = [GenerateRequest(i, p, params) for i, p in enumerate(PROMPTS)]
-    results = sorted(engine.generate(requests), key=lambda r: r.request_id)
+    results = sorted(engine.results(requests), key=lambda r: r.request_id)
     return [r.response_ids for r in results]
 
 

@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 def run(engine, prompts, **sampling):
     params = SamplingParams(**{"max_new_tokens": 16, **sampling})
     requests = [GenerateRequest(i, p, params) for i, p in enumerate(prompts)]
-    return sorted(engine.generate(requests), key=lambda r: r.request_id)
+    return sorted(engine.results(requests), key=lambda r: r.request_id)
 
 
 PROMPTS = [[5, 6, 7, 8], [40, 41], [90, 12, 13, 14, 15, 16, 17], [33]]

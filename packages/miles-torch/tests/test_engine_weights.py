@@ -19,7 +19,7 @@ REQUESTS = [
 def outputs(engine):
     return sorted(
         (r.request_id, r.response_ids, r.logprobs, r.weight_version)
-        for r in engine.generate(REQUESTS)
+        for r in engine.results(REQUESTS)
     )
 
 

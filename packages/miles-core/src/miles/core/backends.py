@@ -123,8 +123,9 @@ class RolloutEngine(Protocol):
     @property
     def weight_version(self) -> int: ...
 
-    def generate(self, requests: list[GenerateRequest]) -> Iterator[GenerateResult]:
-        """Yields each result as soon as its sequence finishes (a stream, not a batch)."""
+    def generate(self, requests: list[GenerateRequest]) -> Iterator[list[GenerateResult]]:
+        """Yields results as soon as their sequences finish (a stream, not a batch); those that
+        finish together come as one list, which crosses to the rollout manager as one message."""
         ...
 
     def pause(self) -> None:

@@ -61,8 +61,9 @@ class EngineActor:
 
     def generate(
         self, requests: list[GenerateRequest], trace_carrier: dict[str, str]
-    ) -> Iterator[GenerateResult]:
-        """Streams each result as it finishes (call with ``num_returns="streaming"``)."""
+    ) -> Iterator[list[GenerateResult]]:
+        """Streams the results as they finish, those finished together in one item (call with
+        ``num_returns="streaming"``)."""
         with (
             attached(trace_carrier),
             span("miles.generate", engine=self.index, requests=len(requests)),
@@ -70,13 +71,13 @@ class EngineActor:
             if self.engine.health().get("paused"):
                 # Paused for a weight update before this call started: hand every request back
                 # untouched, so the dispatcher requeues it, rather than raising.
-                for r in requests:
-                    yield GenerateResult(r.request_id, [], [], "abort", self.weight_version())
+                version = self.weight_version()
+                yield [GenerateResult(r.request_id, [], [], "abort", version) for r in requests]
                 return
             # A plain loop, not `yield from`: Ray drives this generator with send(), which must
             # not reach the engine's own generator.
-            for result in self.engine.generate(requests):  # noqa: UP028
-                yield result
+            for finished in self.engine.generate(requests):  # noqa: UP028
+                yield finished
 
     def pause(self) -> None:
         """Unfinished requests come back now as "abort" results with their tokens so far."""

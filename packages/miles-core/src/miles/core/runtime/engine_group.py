@@ -81,10 +81,13 @@ class EngineGroup:
         restarted since it was built)."""
         self.pool.check()
         self._held = True
-        await self._push()
-        await asyncio.gather(*(_quietly(s.handle.pause.remote()) for s in self.pool.alive()))
-        if self._subscriber is not None:
-            await self._subscriber.drained.remote()
+        # Together: the dispatcher holds as soon as the routes arrive and then waits for what is
+        # on the engines, which the pause hands back. (A request it sent to an engine paused a
+        # moment earlier comes back aborted and waits in its queue.)
+        held = self._subscriber.hold.remote(self.routes()) if self._subscriber else _done()
+        await asyncio.gather(
+            *(_quietly(s.handle.pause.remote()) for s in self.pool.alive()), _await(held)
+        )
         return self._alive_members() != self._members
 
     def sync_world(self) -> int:
@@ -156,13 +159,12 @@ class EngineGroup:
     async def resume_memory(self) -> None:
         await asyncio.gather(*(s.handle.resume_memory.remote() for s in self.pool.alive()))
 
-    async def checksums(self) -> list[str]:
-        return list(await asyncio.gather(*(s.handle.checksum.remote() for s in self.pool.alive())))
-
-    async def weight_versions(self) -> list[int]:
-        return list(
-            await asyncio.gather(*(s.handle.weight_version.remote() for s in self.pool.alive()))
-        )
+    async def weights(self) -> list[tuple[str, int]]:
+        """(checksum, weight version) of every alive engine, to verify a sync."""
+        alive = self.pool.alive()
+        checksums = asyncio.gather(*(s.handle.checksum.remote() for s in alive))
+        versions = asyncio.gather(*(s.handle.weight_version.remote() for s in alive))
+        return list(zip(await checksums, await versions, strict=True))
 
     async def weights_dtype(self) -> str:
         """The dtype the engines hold their weights in (what the trainer's checksum casts to)."""
@@ -203,6 +205,10 @@ def _kill(handle: Any) -> None:
 
 async def _await(ref: Any) -> Any:
     return await ref
+
+
+async def _done() -> None:
+    return None
 
 
 async def _quietly(ref: Any) -> None:

@@ -86,7 +86,9 @@ class RolloutManager:
     def set_routes(self, routes: Routes) -> None:
         self.dispatcher.set_routes(routes)
 
-    async def drained(self) -> None:
+    async def hold(self, routes: Routes) -> None:
+        """A weight update begins: `routes` hold requests; returns once none is on an engine."""
+        self.dispatcher.set_routes(routes)
         await self.dispatcher.drained()
 
     # ── producing step batches ───────────────────────────────────────────────────────────────────

@@ -105,13 +105,14 @@ class WeightUpdater:
         """Engines must hold exactly the trainer's weights, at the current version."""
         if self._engine_dtype is None:
             self._engine_dtype = str(ray.get(self.engines.weights_dtype.remote()))
+        engines = self.engines.weights.remote()
         expected = self.trainers.call("checksum", self._engine_dtype)  # collective
-        checksums, versions = ray.get(
-            [self.engines.checksums.remote(), self.engines.weight_versions.remote()]
-        )
+        states = ray.get(engines)
+        checksums, versions = [c for c, _ in states], [v for _, v in states]
         bad = [i for i, c in enumerate(checksums) if c != expected]
         if bad or any(v != self.version for v in versions):
             raise WeightSyncError(
                 f"weight sync verification failed at version {self.version}: engines {bad} hold "
-                f"other weights (versions {versions}); the trainer's checksum is {expected[:16]}"
+                f"other weights (versions {versions}); the trainer's checksum is "
+                f"{expected[:16]}"
             )

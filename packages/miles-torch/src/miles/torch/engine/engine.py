@@ -131,8 +131,10 @@ class TorchRolloutEngine:
     def tokenizer(self) -> Any:
         return self._tokenizer
 
-    def generate(self, requests: list[GenerateRequest]) -> Iterator[GenerateResult]:
-        """Stream one result per request as it finishes; argument checks run now, not lazily."""
+    def generate(self, requests: list[GenerateRequest]) -> Iterator[list[GenerateResult]]:
+        """Stream the results of the requests as they finish, those finished by the same model
+        step together (one message each, not one per request); argument checks run now, not
+        lazily. `results` streams them one by one."""
         if self._paused:
             raise RuntimeError("engine is paused: call resume() before generate()")
         if self._released:
@@ -144,22 +146,29 @@ class TorchRolloutEngine:
                 raise ValueError(f"request {r.request_id}: max_new_tokens must be >= 0")
         return self._run(list(requests))
 
-    def _run(self, requests: list[GenerateRequest]) -> Iterator[GenerateResult]:
+    def results(self, requests: list[GenerateRequest]) -> Iterator[GenerateResult]:
+        """`generate`, one result at a time."""
+        return (result for finished in self.generate(requests) for result in finished)
+
+    def _run(self, requests: list[GenerateRequest]) -> Iterator[list[GenerateResult]]:
         pending = deque(r for r in requests if r.sampling.max_new_tokens > 0)
-        yield from (
-            self._result(Row(r), "length") for r in requests if not r.sampling.max_new_tokens
-        )
+        empty = [self._result(Row(r), "length") for r in requests if not r.sampling.max_new_tokens]
+        if empty:
+            yield empty
         batches: list[Batch] = []  # padded: at most one; unpadded: one per admitted group
         while pending or batches:
             if self._paused or self._released:
                 rows = [row for batch in batches for row in batch.rows if not row.done]
                 rows += [Row(r) for r in pending]
-                yield from (self._result(row, "abort") for row in rows)
+                aborted = [self._result(row, "abort") for row in rows]
+                if aborted:
+                    yield aborted
                 return
             # Yield outside the lock and inference mode: the consumer runs while we are suspended.
             with self._lock, torch.inference_mode():
                 batches, finished = self._step(batches, pending)
-            yield from finished
+            if finished:
+                yield finished
 
     def _step(
         self, batches: list[Batch], pending: deque[GenerateRequest]
