@@ -1,8 +1,15 @@
-"""Suite-wide pytest set-up: GPU tests skip themselves where no CUDA device is visible."""
+"""Suite-wide pytest set-up: GPU tests skip themselves where no CUDA device is visible, and the
+`plant` fixture fakes an installed plugin distribution."""
 
+import itertools
 import os
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+
+from miles.core import plugins
 
 # Tests never reach a model hub: every model is made at test time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,3 +30,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+
+
+_counter = itertools.count()
+PlantFn = Callable[..., str]
+
+
+@pytest.fixture
+def plant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PlantFn:
+    """Writes a module plus a ``.dist-info`` whose entry point puts it in the ``miles`` group.
+
+    Returns the module's (unique) name. This is exactly what pip leaves on disk for a plugin.
+    """
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # The process-wide plugin manager loads again on next use, seeing the planted plugins.
+    monkeypatch.setattr(plugins, "_manager", None)
+    monkeypatch.delenv("MILES_LOAD_PLUGINS", raising=False)
+    monkeypatch.delenv("MILES_DISABLE_PLUGINS", raising=False)
+
+    def _plant(
+        dist: str, source: str, *, version: str = "1.0.0", core_range: str | None = ">=0.1,<0.2"
+    ) -> str:
+        module = f"planted_{dist.replace('-', '_')}_{next(_counter)}"
+        (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+        info = tmp_path / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        meta = f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
+        if core_range is not None:
+            meta += f"Requires-Dist: miles-core{core_range}\n"
+        (info / "METADATA").write_text(meta)
+        (info / "entry_points.txt").write_text(f"[miles]\nmain = {module}\n")
+        return module
+
+    return _plant

@@ -64,7 +64,6 @@ class ScaledPG:
 def miles_register_losses():
     return [ComponentSpec(Kind.LOSS, "scaled_pg", ScaledPG, "REINFORCE, scaled", ScaledPGConfig)]
 '''
-LOSS_PLUGIN_DIST = "miles_test_loss_plugin-0.1.0.dist-info"
 # Fault injection for the chaos tests: the real torch engine and FSDP trainer, which fail once at
 # a chosen point. A marker file (created exclusively) makes the fault happen exactly once per run,
 # whichever actor gets there first; restarted actors then behave.
@@ -167,7 +166,6 @@ def miles_register_train_backends():
     fsdp = plugin.miles_register_train_backends()[0]
     return [replace(fsdp, name="chaos_fsdp", factory=make_trainer, config=ChaosFSDPConfig)]
 '''
-CHAOS_PLUGIN_DIST = "miles_test_chaos-0.1.0.dist-info"
 # A third-party model family plus a recipe that uses it: Llama, which Miles itself does not cover.
 FAMILY_PLUGIN = """
 from miles.core import ComponentSpec, Kind, hookimpl
@@ -224,8 +222,23 @@ def miles_register_recipes():
     return [ComponentSpec(Kind.RECIPE, "llama-quickstart", llama_quickstart,
                           "the quickstart task on the user's Llama family")]
 """
-FAMILY_PLUGIN_DIST = "miles_test_family-0.1.0.dist-info"
 TEST_MODULES = Path(__file__).parent / "_modules"
+
+
+def install_plugin(name: str, source: str) -> None:
+    """Puts module `miles_test_<name>` and its dist-info (an entry point in the `miles` group) in
+    TEST_MODULES, as pip would leave distribution `miles-test-<name>`; run_miles puts that
+    directory on the subprocess's path."""
+    module, dist = f"miles_test_{name}", f"miles-test-{name.replace('_', '-')}"
+    TEST_MODULES.mkdir(exist_ok=True)
+    (TEST_MODULES / f"{module}.py").write_text(source)
+    info = TEST_MODULES / f"{module}-0.1.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n"
+        "Requires-Dist: miles-core>=0.1,<0.2\n"
+    )
+    (info / "entry_points.txt").write_text(f"[miles]\n{name} = {module}\n")
 
 
 def run_miles(
@@ -233,30 +246,9 @@ def run_miles(
 ) -> subprocess.CompletedProcess[str]:
     TEST_MODULES.mkdir(exist_ok=True)
     (TEST_MODULES / "miles_test_rewards.py").write_text(REWARD_MODULE)
-    (TEST_MODULES / "miles_test_loss_plugin.py").write_text(LOSS_PLUGIN)
-    info = TEST_MODULES / LOSS_PLUGIN_DIST
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: miles-test-loss-plugin\nVersion: 0.1.0\n"
-        "Requires-Dist: miles-core>=0.1,<0.2\n"
-    )
-    (info / "entry_points.txt").write_text("[miles]\nloss = miles_test_loss_plugin\n")
-    (TEST_MODULES / "miles_test_chaos.py").write_text(CHAOS_PLUGIN)
-    info = TEST_MODULES / CHAOS_PLUGIN_DIST
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: miles-test-chaos\nVersion: 0.1.0\n"
-        "Requires-Dist: miles-core>=0.1,<0.2\n"
-    )
-    (info / "entry_points.txt").write_text("[miles]\nchaos = miles_test_chaos\n")
-    (TEST_MODULES / "miles_test_family.py").write_text(FAMILY_PLUGIN)
-    info = TEST_MODULES / FAMILY_PLUGIN_DIST
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: miles-test-family\nVersion: 0.1.0\n"
-        "Requires-Dist: miles-core>=0.1,<0.2\n"
-    )
-    (info / "entry_points.txt").write_text("[miles]\nfamily = miles_test_family\n")
+    install_plugin("loss_plugin", LOSS_PLUGIN)
+    install_plugin("chaos", CHAOS_PLUGIN)
+    install_plugin("family", FAMILY_PLUGIN)
     pythonpath = os.pathsep.join(filter(None, [str(TEST_MODULES), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "CI": "1", "RAY_DEDUP_LOGS": "0", "PYTHONPATH": pythonpath, **(env or {})}
     return subprocess.run(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import TEST_MODULES, run_miles
+from .conftest import install_plugin, run_miles
 
 PLUGIN = """
 import os
@@ -80,19 +80,6 @@ def miles_register_rollout_backends():
         capabilities=frozenset({Capability.PARTIAL_ROLLOUT}), memory=rollout_memory,
     )]
 """
-DIST = "miles_test_backend-0.1.0.dist-info"
-
-
-def _plant() -> None:
-    TEST_MODULES.mkdir(exist_ok=True)
-    (TEST_MODULES / "miles_test_backend.py").write_text(PLUGIN)
-    info = TEST_MODULES / DIST
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: miles-test-backend\nVersion: 0.1.0\n"
-        "Requires-Dist: miles-core>=0.1,<0.2\n"
-    )
-    (info / "entry_points.txt").write_text("[miles]\nbackend = miles_test_backend\n")
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -102,7 +89,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 def test_the_planner_adds_up_the_plugins_memory_models(
     tmp_path: Path, tiny_assets: dict[str, str]
 ) -> None:
-    _plant()
+    install_plugin("backend", PLUGIN)
     config = {
         "model": {"path": tiny_assets["model"]},
         "data": {"path": tiny_assets["data"]},
@@ -125,7 +112,7 @@ def test_the_planner_adds_up_the_plugins_memory_models(
 
 
 def test_miles_run_drives_the_plugins_backends(tmp_path: Path) -> None:
-    _plant()
+    install_plugin("backend", PLUGIN)
     run_dir = tmp_path / "run"
     proc = run_miles(
         "run", "quickstart", "--run-dir", str(run_dir),
@@ -143,7 +130,7 @@ def test_miles_run_drives_the_plugins_backends(tmp_path: Path) -> None:
 
 
 def test_the_run_is_held_to_the_plugins_capabilities(tmp_path: Path) -> None:
-    _plant()
+    install_plugin("backend", PLUGIN)
     proc = run_miles(
         "run", "quickstart", "--run-dir", str(tmp_path / "run"),
         "--set", "train.backend=replicated", "--set", "rollout.backend=chunked",

@@ -1,48 +1,10 @@
-"""Fixtures for plugin-loading tests: plant fake installed distributions on sys.path."""
+"""Plugin sources for plugin-loading tests; the `plant` fixture is suite-wide (root conftest.py)."""
 
 from __future__ import annotations
 
-import itertools
-import textwrap
 from collections.abc import Callable
-from pathlib import Path
 
-import pytest
-
-from miles.core import plugins
-
-_counter = itertools.count()
-
-PlantFn = Callable[..., str]
-
-
-@pytest.fixture
-def plant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PlantFn:
-    """Writes a module plus a ``.dist-info`` whose entry point puts it in the ``miles`` group.
-
-    Returns the module's (unique) name. This is exactly what pip leaves on disk for a plugin.
-    """
-    monkeypatch.syspath_prepend(str(tmp_path))
-    # The process-wide plugin manager loads again on next use, seeing the planted plugins.
-    monkeypatch.setattr(plugins, "_manager", None)
-    monkeypatch.delenv("MILES_LOAD_PLUGINS", raising=False)
-    monkeypatch.delenv("MILES_DISABLE_PLUGINS", raising=False)
-
-    def _plant(
-        dist: str, source: str, *, version: str = "1.0.0", core_range: str | None = ">=0.1,<0.2"
-    ) -> str:
-        module = f"planted_{dist.replace('-', '_')}_{next(_counter)}"
-        (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
-        info = tmp_path / f"{dist.replace('-', '_')}-{version}.dist-info"
-        info.mkdir()
-        meta = f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
-        if core_range is not None:
-            meta += f"Requires-Dist: miles-core{core_range}\n"
-        (info / "METADATA").write_text(meta)
-        (info / "entry_points.txt").write_text(f"[miles]\nmain = {module}\n")
-        return module
-
-    return _plant
+PlantFn = Callable[..., str]  # the suite-wide `plant` fixture (conftest.py at the root)
 
 
 REWARD_PLUGIN = """
