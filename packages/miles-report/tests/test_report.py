@@ -8,6 +8,8 @@ import json
 import re
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
+from html import unescape
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ from click.testing import CliRunner
 
 from miles.report import NotARunError, build_report
 from miles.report.command import report
+from miles.report.faults import RedoBand, StepMark, collect_faults
+from miles.report.figures import CURVES, FaultMarks, draw_curves, draw_timeline
 from miles.report.load import Span, load_run, read_jsonl
 from miles.report.steps import run_status, slowest, step_costs, step_of_spans
 from miles.report.timeline import build_timeline
@@ -357,3 +361,218 @@ def test_the_plugin_adds_the_command_to_miles() -> None:
         check=True,
     ).stdout
     assert "Write an HTML report of a run" in out
+
+
+# ── faults ───────────────────────────────────────────────────────────────────────────────────────
+
+
+def iso(seconds: float) -> str:
+    """structlog's timestamp of `seconds` after T0, on the clock of the synthetic spans."""
+    moment = datetime.fromtimestamp(0, UTC) + timedelta(microseconds=(T0 + seconds * SEC) // 1000)
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+def add_faults(
+    run_dir: Path, events: list[dict[str, Any]], counters: dict[str, dict[int, float]]
+) -> None:
+    """Appends fault lines to events.jsonl and sets cumulative counters on the metrics rows:
+    `counters[key][step]` is the value from that step on."""
+    with (run_dir / "events.jsonl").open("a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+    rows = read_jsonl(run_dir / "metrics.jsonl").rows
+    for row in rows:
+        if "rollout/reward_mean" not in row:
+            continue  # the end-of-run eval row carries no counters
+        for key, rises in counters.items():
+            row[key] = max((v for s, v in rises.items() if s <= row["step"]), default=0.0)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def rollout_span_id(run_dir: Path, step: int) -> str:
+    rows = read_jsonl(run_dir / "traces.jsonl").rows
+    return next(
+        r["span_id"]
+        for r in rows
+        if r["name"] == "miles.rollout" and r["attributes"]["step"] == step
+    )
+
+
+def faults_rows(html: str) -> list[list[str]]:
+    """The cells of each row of the Faults table (tags stripped)."""
+    table = html.split("<h2 id='faults'>Faults</h2>", 1)[1].split("<h2>", 1)[0]
+    rows = re.findall(r"<tr><td>(.*?)</tr>", table)
+    return [
+        [unescape(re.sub(r"<.*?>", "", c)).strip() for c in ("<td>" + r).split("</td>")[:-1]]
+        for r in rows
+    ]
+
+
+def faulty_run(root: Path) -> Path:
+    """8 steps of 0.55 s from 5 s: two engine restarts, a train restart, an engine dropped."""
+    run_dir = write_run(root)
+    warn = {"level": "warning", "actor": "rollout_manager"}
+    events = [
+        # engine 1 fails and comes back inside step 2 (5 + 2 * 0.55 = 6.1 .. 6.65 s): no step key
+        {"event": "engine failed", "fault": "engine_failed", "engine": 1, "reason": "OOM"}
+        | warn
+        | {"timestamp": iso(6.2)},
+        {"event": "engine back", "fault": "engine_restarted", "engine": 1, "level": "info"}
+        | {"actor": "rollout_manager", "timestamp": iso(6.4)},
+        # logged in step 4's rollout span, at a time outside any step: the span decides
+        {"event": "engine back", "fault": "engine_restarted", "engine": 0, "level": "info"}
+        | {"timestamp": iso(1.0), "span_id": rollout_span_id(run_dir, 4)},
+        {"event": "train group restarted", "fault": "train_restarted", "step": 5}
+        | {"restored": "checkpoint of step 3", "steps_redone": 2, "level": "warning"}
+        | {"timestamp": iso(7.9)},
+        # after the last step: only the counter, reaching 1 at step 7, places it
+        {"event": "engine dropped", "fault": "engine_dropped", "engine": 1}
+        | {"reason": "failed 3 times"}
+        | warn
+        | {"timestamp": iso(9.6)},
+    ]
+    counters = {
+        "fault/engine_restarts": {2: 1.0, 4: 2.0},
+        "fault/train_restarts": {5: 1.0},
+        "fault/steps_redone": {5: 2.0},
+        "fault/engines_dropped": {7: 1.0},
+    }
+    add_faults(run_dir, events, counters)
+    return run_dir
+
+
+def test_faults_from_events_and_counters(tmp_path: Path) -> None:
+    run = load_run(faulty_run(tmp_path / "run"))
+    faults = collect_faults(run)
+    assert faults.counts == {"engine restart": 2, "train restart": 1, "engine dropped": 1}
+    assert faults.survived == 4 and faults.steps_redone == 2
+    assert (
+        faults.summary() == "2 engine restarts, 1 train restart (2 steps redone), 1 engine dropped"
+    )
+    assert [(f.kind, f.step, f.engine) for f in faults.faults] == [
+        ("engine restart", 4, 0),  # logged at 1 s: first in time
+        ("engine restart", 2, 1),
+        ("train restart", 5, None),
+        ("engine dropped", 7, 1),
+    ]
+    assert "engine 1 failed (OOM); restarted" in faults.faults[1].detail
+    assert "restarted from checkpoint of step 3, 2 steps redone" in faults.faults[2].detail
+    assert "dropped" in faults.faults[3].detail and "failed 3 times" in faults.faults[3].detail
+    assert faults.marks == [
+        StepMark(2, "engine restart", 1),
+        StepMark(4, "engine restart", 1),
+        StepMark(5, "train restart", 1),
+        StepMark(7, "engine dropped", 1),
+    ]
+    assert faults.bands == [RedoBand(3, 5, 2)]
+
+    timeline = build_timeline(run, faults.faults)
+    assert timeline is not None
+    assert [(m.kind, round(m.time_s, 3), m.lane) for m in timeline.marks] == [
+        ("engine restart", 1.0, "engine0"),
+        ("engine restart", 6.4, None),  # engine 1 has no lane of its own here
+        ("train restart", 7.9, None),
+        ("engine dropped", 9.6, None),
+    ]
+
+
+def test_fault_markers_reach_the_figures(tmp_path: Path) -> None:
+    run = load_run(faulty_run(tmp_path / "run"))
+    faults = collect_faults(run)
+    fig = draw_curves(run, CURVES[0], FaultMarks(faults.marks, faults.bands))
+    assert fig is not None
+    ax = fig.axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert {"engine restart", "train restart", "engine dropped", "steps redone"} <= set(labels)
+    vertical = [line for line in ax.get_lines() if len(set(line.get_xdata())) == 1]
+    assert sorted(line.get_xdata()[0] for line in vertical) == [2, 4, 5, 7]
+    assert len(ax.patches) == 1  # the band of steps redone
+
+    timeline = build_timeline(run, faults.faults)
+    assert timeline is not None
+    figure = draw_timeline(timeline)
+    legend = {t.get_text() for t in figure.legends[0].get_texts()}
+    assert {"engine restart", "train restart", "engine dropped"} <= legend
+    assert figure.axes[0].get_xlim()[0] < 1.0  # the restart at 1 s is in view
+
+
+def test_report_lists_faults(tmp_path: Path) -> None:
+    run_dir = faulty_run(tmp_path / "run")
+    build_report(run_dir)
+    html = assert_embeds_every_png(run_dir / "report", FULL_FIGURES)
+    assert "<span class='badge survived'>finished, 4 faults survived</span>" in html
+    assert (
+        "<th>faults survived</th><td>2 engine restarts, 1 train restart (2 steps redone), "
+        "1 engine dropped</td>" in html
+    )
+    rows = faults_rows(html)
+    assert [(r[2], r[3], r[4]) for r in rows] == [
+        ("4", "■ engine restart", "controller"),
+        ("2", "■ engine restart", "rollout_manager"),
+        ("5", "■ train restart", "controller"),
+        ("7", "■ engine dropped", "rollout_manager"),
+    ]
+    assert rows[1][0] == iso(6.4) and rows[1][1] == "6.4"  # seconds from the miles.run start
+    assert "engine 1 failed (OOM); restarted; it serves again" in rows[1][5]
+
+
+def test_faults_known_from_counters_only(tmp_path: Path) -> None:
+    """A producer that writes only the counters (or a lost events.jsonl): rows at the steps where
+    the counters rose; a train restart with no event still shades the steps it redid."""
+    run_dir = write_run(tmp_path / "run")
+    counters = {"fault/train_restarts": {3: 1.0}, "fault/steps_redone": {3: 2.0}}
+    add_faults(run_dir, [], counters | {"fault/engine_restarts": {6: 2.0}})
+    faults = collect_faults(load_run(run_dir))
+    assert faults.summary() == "2 engine restarts, 1 train restart (2 steps redone)"
+    assert [(f.kind, f.step, f.steps_redone) for f in faults.faults] == [
+        ("train restart", 3, 2),
+        ("engine restart", 6, 0),
+        ("engine restart", 6, 0),
+    ]
+    assert faults.marks == [StepMark(3, "train restart", 1), StepMark(6, "engine restart", 2)]
+    assert faults.bands == [RedoBand(1, 3, 2)]
+    assert "fault/engine_restarts rose at step 6" in faults.faults[1].detail
+
+
+def test_a_failure_without_restart_or_step(tmp_path: Path) -> None:
+    """An older run (no counters) whose engine failed during setup, with nothing after it: listed,
+    on the timeline's time axis only, not counted as survived."""
+    run_dir = write_run(tmp_path / "run")
+    failed = {"event": "engine failed", "fault": "engine_failed", "engine": 0, "reason": "gone"}
+    add_faults(run_dir, [failed | {"level": "warning", "timestamp": iso(2.0)}], {})
+    run = load_run(run_dir)
+    faults = collect_faults(run)
+    assert faults.survived == 0 and faults.summary() == "none" and faults.marks == []
+    assert [(f.kind, f.step) for f in faults.faults] == [("engine failed", None)]
+    assert "no restart or drop logged after it" in faults.faults[0].detail
+    build_report(run_dir)
+    html = (run_dir / "report" / "index.html").read_text()
+    assert "badge finished'>finished</span>" in html
+    assert faults_rows(html)[0][2:4] == ["-", "■ engine failed"]
+
+
+def test_more_counted_than_logged_is_noted(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run")
+    restart = {"event": "back", "fault": "engine_restarted", "engine": 0, "level": "info"}
+    add_faults(run_dir, [restart | {"timestamp": iso(6.2)}], {"fault/engine_restarts": {2: 3.0}})
+    faults = collect_faults(load_run(run_dir))
+    assert faults.counts["engine restart"] == 3 and len(faults.faults) == 1
+    assert "fault/engine_restarts counts 3 but events.jsonl has 1" in faults.notes[0]
+
+
+def test_no_faults_reads_none(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run")
+    build_report(run_dir)
+    html = (run_dir / "report" / "index.html").read_text()
+    assert "<th>faults survived</th><td>none</td>" in html
+    assert "<h2 id='faults'>Faults</h2><p>None:" in html
+
+
+def test_an_unknown_fault_kind_is_listed_not_counted(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run")
+    line = {"event": "rollout manager respawned", "fault": "manager_restarted", "step": 3}
+    add_faults(run_dir, [line | {"level": "warning", "timestamp": iso(7.0)}], {})
+    faults = collect_faults(load_run(run_dir))
+    assert faults.survived == 0 and faults.marks == []
+    assert [(f.kind, f.step, f.detail) for f in faults.faults] == [
+        ("manager restarted", 3, "rollout manager respawned")
+    ]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import miles.report.figures as figures
+from miles.report.faults import collect_faults
 from miles.report.html import Report, render
 from miles.report.load import load_run
 from miles.report.steps import run_status, slowest, step_costs
@@ -27,8 +28,10 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> Written:
     Raises NotARunError for a directory that is not a run."""
     run = load_run(run_dir)
     out = out_dir if out_dir is not None else run_dir / "report"
-    curves = [(g, figures.curve_figure(run, g)) for g in figures.CURVES]
-    timeline = build_timeline(run)
+    faults = collect_faults(run)
+    marks = figures.FaultMarks(faults.marks, faults.bands)
+    curves = [(g, figures.curve_figure(run, g, marks)) for g in figures.CURVES]
+    timeline = build_timeline(run, faults.faults)
     costs = step_costs(run)
     report = Report(
         run=run,
@@ -40,6 +43,7 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> Written:
         idle_png=figures.idle_figure(run),
         costs=costs,
         slowest=slowest(costs),
+        faults=faults,
     )
     pngs = {group.name: png for group, png in report.curves}
     if report.timeline_png is not None:

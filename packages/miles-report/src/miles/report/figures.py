@@ -12,11 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from miles.report.faults import ENGINE_DROPPED, ENGINE_RESTART, TRAIN_RESTART, RedoBand, StepMark
 from miles.report.load import RunData
 from miles.report.steps import series
 from miles.report.timeline import INNER, Timeline
 
 if TYPE_CHECKING:
+    from matplotlib.artist import Artist
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
@@ -100,8 +102,36 @@ KIND_COLORS: dict[str, str] = {
 }
 
 
-def curve_figure(run: RunData, group: CurveGroup) -> bytes | None:
+# Fault markers: a colour and a line style per kind, apart from the curves' C0-C3 and the
+# timeline's stage colours; thin, so they point at a step without hiding the curve.
+LineStyle = Literal["-", "--", ":"]
+FAULT_STYLES: dict[str, tuple[str, LineStyle]] = {
+    ENGINE_RESTART: ("#d01c8b", "--"),
+    TRAIN_RESTART: ("#b2182b", "-"),
+    ENGINE_DROPPED: ("#333333", ":"),
+}
+REDONE_COLOR = "#f4a582"
+
+
+@dataclass(frozen=True)
+class FaultMarks:
+    """What the curve figures mark: faults at their step, and the stretches of steps redone."""
+
+    marks: Sequence[StepMark] = ()
+    bands: Sequence[RedoBand] = ()
+
+
+def curve_figure(
+    run: RunData, group: CurveGroup, faults: FaultMarks = FaultMarks()
+) -> bytes | None:
     """One plot of the group's metrics against step; None when the run logged none of them."""
+    fig = draw_curves(run, group, faults)
+    return _png(fig) if fig is not None else None
+
+
+def draw_curves(
+    run: RunData, group: CurveGroup, faults: FaultMarks = FaultMarks()
+) -> Figure | None:
     present = [(c, *series(run, c.key)) for c in group.curves]
     present = [p for p in present if p[1]]
     if not present:
@@ -117,10 +147,28 @@ def curve_figure(run: RunData, group: CurveGroup) -> bytes | None:
         else:
             marker = "o" if len(steps) <= 40 else None
             ax.plot(steps, values, marker=marker, ms=3.5, lw=1.6, color=color, label=curve.label)
+    _mark_steps(ax, faults)
     _style(ax, group.title, "step", group.ylabel)
-    if len(present) > 1:
+    if len(present) > 1 or faults.marks or faults.bands:
         ax.legend(fontsize=8)
-    return _png(fig)
+    return fig
+
+
+def _mark_steps(ax: Axes, faults: FaultMarks) -> None:
+    """A vertical line per fault at its step (one legend entry per kind), steps redone shaded."""
+    labelled: set[str] = set()
+    for band in faults.bands:
+        label = "steps redone" if "redone" not in labelled else None
+        ax.axvspan(band.first, band.last, color=REDONE_COLOR, alpha=0.25, lw=0, label=label)
+        labelled.add("redone")
+    for mark in faults.marks:
+        color, style = FAULT_STYLES.get(mark.kind, ("#7f7f7f", "--"))
+        label = mark.kind if mark.kind not in labelled else None
+        ax.axvline(mark.step, color=color, linestyle=style, lw=1.2, label=label)
+        labelled.add(mark.kind)
+        if mark.count > 1:  # several at one step share a line: say how many
+            top = ("data", "axes fraction")
+            ax.annotate(f"×{mark.count}", (mark.step, 1.0), xycoords=top, color=color, fontsize=7)
 
 
 def idle_figure(run: RunData) -> bytes | None:
@@ -147,6 +195,11 @@ def idle_figure(run: RunData) -> bytes | None:
 
 
 def timeline_figure(timeline: Timeline) -> bytes:
+    return _png(draw_timeline(timeline))
+
+
+def draw_timeline(timeline: Timeline) -> Figure:
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     lanes = timeline.lanes
@@ -174,16 +227,26 @@ def timeline_figure(timeline: Timeline) -> bytes:
             ax.text(middle, top, str(step), ha="center", va="top", fontsize=7, color="#555555")
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
-    pad = max((timeline.end_s - timeline.start_s) * 0.01, 1e-3)
-    ax.set_xlim(timeline.start_s - pad, timeline.end_s + pad)
+    for mark in timeline.marks:
+        color, style = FAULT_STYLES.get(mark.kind, ("#7f7f7f", "--"))
+        ax.axvline(mark.time_s, color=color, linestyle=style, lw=1.4, zorder=3)
+        if mark.lane in y_of:
+            ax.plot(mark.time_s, y_of[mark.lane], marker="X", ms=10, color=color, zorder=4)
+    times = [m.time_s for m in timeline.marks]
+    start, end = min([timeline.start_s, *times]), max([timeline.end_s, *times])
+    pad = max((end - start) * 0.01, 1e-3)
+    ax.set_xlim(start - pad, end + pad)
     _style(ax, "Timeline (one lane per actor; numbers: steps)", "seconds from the run start", "")
     ax.grid(axis="y", visible=False)
     kinds = [k for k in KIND_COLORS if any(b.kind == k for b in timeline.bars)]
-    handles = [Patch(facecolor=KIND_COLORS[k], label=k) for k in kinds]
+    handles: list[Artist] = [Patch(facecolor=KIND_COLORS[k], label=k) for k in kinds]
     if timeline.open_spans:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="still open"))
+    for kind in dict.fromkeys(m.kind for m in timeline.marks):
+        color, style = FAULT_STYLES.get(kind, ("#7f7f7f", "--"))
+        handles.append(Line2D([], [], color=color, linestyle=style, lw=1.4, label=kind))
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 11), fontsize=9)
-    return _png(fig)
+    return fig
 
 
 def _layer(kind: str) -> int:

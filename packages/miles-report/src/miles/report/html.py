@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-from miles.report.figures import CurveGroup
+from miles.report.faults import Faults
+from miles.report.figures import FAULT_STYLES, REDONE_COLOR, CurveGroup
 from miles.report.load import RunData
 from miles.report.steps import PARTS, RunStatus, StepCost, last_value, mean
-from miles.report.timeline import Timeline
+from miles.report.timeline import Timeline, run_start_ns
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Report:
     idle_png: bytes | None
     costs: list[StepCost]
     slowest: list[StepCost]
+    faults: Faults
 
 
 # (metric, label) of the header's "last values" table
@@ -56,6 +58,7 @@ h2 { font-size: 18px; margin: 28px 0 8px; border-bottom: 1px solid #ddd; padding
 .finished { background: #dcefdc; color: #1d5e1d; }
 .failed { background: #f6d5d5; color: #8a1c1c; }
 .running { background: #fbecc8; color: #7a5300; }
+.survived { background: #dde8f5; color: #1f4e79; }
 .cols { display: flex; gap: 32px; flex-wrap: wrap; align-items: flex-start; }
 table { border-collapse: collapse; font-size: 13px; }
 th, td { text-align: left; padding: 3px 10px 3px 0; border-bottom: 1px solid #eee;
@@ -79,6 +82,7 @@ def render(report: Report) -> str:
         _header(report),
         _curves(report),
         _timeline(report),
+        _faults(report),
         _idle(report),
         _slowest(report),
         _problems(report.run),
@@ -116,6 +120,7 @@ def _header(report: Report) -> str:
     facts: list[tuple[str, str]] = [
         ("status", f"{status.state}: {status.detail}"),
         ("steps done", steps),
+        (_faults_label(report), report.faults.summary()),
         ("run id", str(run.manifest.get("run_id", "-"))),
         ("started", str(run.manifest.get("created", "-"))),
         ("mode", _get(run.config, "mode", "placement", sep=" / ")),
@@ -142,8 +147,9 @@ def _header(report: Report) -> str:
     notes = run.notes + [
         f"not logged in this run: {g.title} ({', '.join(c.key for c in g.curves)})" for g in missing
     ]
+    style, badge = _badge(report)
     return (
-        f"<h1>{escape(run.name)} <span class='badge {status.state}'>{escape(status.state)}</span>"
+        f"<h1>{escape(run.name)} <span class='badge {style}'>{escape(badge)}</span>"
         f"</h1><p class='sub'>{escape(str(run.run_dir.resolve()))}</p>"
         f"<div class='cols'><div><h3>Run</h3><table>{fact_rows}</table></div>{last}</div>"
         + _notes(notes)
@@ -170,6 +176,39 @@ def _timeline(report: Report) -> str:
         "controller's step, numbered"
     )
     return head + _figure(report.timeline_png, "timeline", caption) + _notes(report.timeline.notes)
+
+
+def _faults(report: Report) -> str:
+    head = "<h2 id='faults'>Faults</h2>"
+    faults = report.faults
+    if not faults.faults:
+        return head + (
+            "<p>None: no engine failed, was restarted or dropped, and the train group was never "
+            "restarted.</p>"
+        )
+    origin = run_start_ns(report.run.spans) if report.run.spans else None
+    rows = "".join(
+        f"<tr><td>{escape(f.timestamp or '-')}</td>"
+        f"<td class='num'>{_since(f.time_ns, origin)}</td>"
+        f"<td class='num'>{'-' if f.step is None else f.step}</td>"
+        f"<td>{_swatch(f.kind)}{escape(f.kind)}</td><td>{escape(f.actor)}</td>"
+        f"<td>{escape(f.detail)}</td></tr>"
+        for f in faults.faults
+    )
+    caption = (
+        "<p class='sub' style='font-family:inherit'>From the <code>fault</code> lines of "
+        "events.jsonl and the <code>fault/*</code> counters of metrics.jsonl. The curves mark "
+        "each fault at its step (dashed: engine restart, solid: train restart, dotted: engine "
+        f"dropped) and shade the steps redone ({_swatch('redone').strip()}); the timeline marks it at its "
+        "time. Step <i>-</i>: the step could not be told (no step span holds the time), so it "
+        "is on the timeline only. An engine failure is folded into the restart or drop after "
+        "it.</p>"
+    )
+    return (
+        head + caption + "<table><tr><th>time</th><th>s from start</th><th>step</th>"
+        f"<th>kind</th><th>actor</th><th>what happened</th></tr>{rows}</table>"
+        + _notes(faults.notes)
+    )
 
 
 def _idle(report: Report) -> str:
@@ -261,6 +300,29 @@ def _problems(run: RunData) -> str:
 
 
 # ── helpers ──────────────────────────────────────────────────────────────────────────────────────
+
+
+def _badge(report: Report) -> tuple[str, str]:
+    """(css class, text): a finished run that survived faults says so, in its own calm colour."""
+    state, n = report.status.state, report.faults.survived
+    if n == 0 or state == "failed":
+        return state, state
+    text = f"{state}, {n} fault{'s' if n > 1 else ''} survived"
+    return ("survived" if state == "finished" else state), text
+
+
+def _faults_label(report: Report) -> str:
+    return "faults" if report.status.state == "failed" else "faults survived"
+
+
+def _since(time_ns: int | None, origin: int | None) -> str:
+    return "-" if time_ns is None or origin is None else f"{(time_ns - origin) / 1e9:.1f}"
+
+
+def _swatch(kind: str) -> str:
+    """A small square in the colour the figures mark `kind` with."""
+    color = REDONE_COLOR if kind == "redone" else FAULT_STYLES.get(kind, ("#7f7f7f", "--"))[0]
+    return f"<span style='color:{color}'>&#9632;</span> "
 
 
 def _why(cost: StepCost) -> str:

@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,18 @@ class Event:
     actor: str
 
 
+@dataclass(frozen=True)
+class FaultEvent:
+    """One line of events.jsonl with a `fault` key: a failure and what the run did about it."""
+
+    kind: str  # engine_failed, engine_restarted, engine_dropped, train_restarted
+    timestamp: str
+    time_ns: int | None  # the timestamp as epoch ns, on the clock of the spans
+    actor: str
+    span_id: str | None  # the span the line was logged in, if any
+    fields: Mapping[str, Any]  # engine, reason, step, restored, steps_redone, ...
+
+
 @dataclass
 class RunData:
     run_dir: Path
@@ -60,6 +73,7 @@ class RunData:
     problems: list[Event]  # warnings and errors, in file order
     last_write: float | None  # newest mtime of the run's files (epoch seconds)
     notes: list[str] = field(default_factory=list)
+    faults: list[FaultEvent] = field(default_factory=list)  # in file order
 
     @property
     def name(self) -> str:
@@ -133,6 +147,7 @@ def load_run(run_dir: Path) -> RunData:
     events = read_jsonl(run_dir / "events.jsonl")
     _note_skipped("events.jsonl", events, notes)
     problems = [e for e in (_problem(row) for row in events.rows) if e is not None]
+    faults = [f for f in (_fault(row) for row in events.rows) if f is not None]
 
     mtimes = [
         p.stat().st_mtime
@@ -150,6 +165,7 @@ def load_run(run_dir: Path) -> RunData:
         problems=problems,
         last_write=max(mtimes) if mtimes else None,
         notes=notes,
+        faults=faults,
     )
 
 
@@ -233,3 +249,33 @@ def _problem(row: dict[str, Any]) -> Event | None:
         timestamp=str(row.get("timestamp", "")),
         actor=str(row.get("actor", "controller")),
     )
+
+
+def _fault(row: dict[str, Any]) -> FaultEvent | None:
+    kind = row.get("fault")
+    if not isinstance(kind, str) or not kind:
+        return None
+    timestamp = str(row.get("timestamp", ""))
+    span_id = row.get("span_id")
+    return FaultEvent(
+        kind=kind,
+        timestamp=timestamp,
+        time_ns=_epoch_ns(timestamp),
+        actor=str(row.get("actor", "controller")),
+        span_id=span_id if isinstance(span_id, str) else None,
+        fields=row,
+    )
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _epoch_ns(timestamp: str) -> int | None:
+    """structlog's ISO timestamp (UTC, "Z") as epoch nanoseconds; None if it is not one."""
+    try:
+        moment = datetime.fromisoformat(timestamp)
+    except ValueError:
+        return None
+    if moment.tzinfo is None:  # structlog writes UTC; a naive stamp is taken as UTC too
+        moment = moment.replace(tzinfo=UTC)
+    return (moment - _EPOCH) // timedelta(microseconds=1) * 1000  # exact, unlike a float

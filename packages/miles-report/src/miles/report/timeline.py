@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from miles.report.faults import COUNTERS, Fault
 from miles.report.load import RunData, Span
 from miles.report.steps import step_of_spans
 
@@ -45,6 +47,15 @@ class Bar:
     open: bool  # the span had not ended: drawn to the last timestamp seen
 
 
+@dataclass(frozen=True)
+class FaultMark:
+    """A fault at its time: a vertical line across the lanes, and a cross on its engine's lane."""
+
+    time_s: float  # seconds from the run start
+    kind: str
+    lane: str | None  # the failed engine's lane, when it has one
+
+
 @dataclass
 class Timeline:
     lanes: list[str]  # top to bottom
@@ -54,6 +65,7 @@ class Timeline:
     end_s: float
     open_spans: int
     notes: list[str] = field(default_factory=list)
+    marks: list[FaultMark] = field(default_factory=list)
 
 
 def kind_of(name: str) -> str | None:
@@ -65,12 +77,15 @@ def kind_of(name: str) -> str | None:
     return None
 
 
-def build_timeline(run: RunData, max_steps: int = 20, max_bars: int = 3000) -> Timeline | None:
-    """The bars of the last `max_steps` steps (all of a shorter run), in seconds from the start."""
+def build_timeline(
+    run: RunData, faults: Sequence[Fault] = (), max_steps: int = 20, max_bars: int = 3000
+) -> Timeline | None:
+    """The bars of the last `max_steps` steps (all of a shorter run), in seconds from the start,
+    and the faults of that window."""
     drawn = [s for s in run.spans if kind_of(s.name) is not None]
     if not drawn:
         return None
-    origin = _run_start(run.spans)
+    origin = run_start_ns(run.spans)
     now = max(s.end_ns or s.start_ns for s in run.spans)  # open spans are drawn up to here
     lanes = _lanes(drawn)
     steps = step_of_spans(run.spans)
@@ -121,14 +136,24 @@ def build_timeline(run: RunData, max_steps: int = 20, max_bars: int = 3000) -> T
         if span.name == "miles.step" and span.span_id in steps
     ]
     used = {b.lane for b in bars}
+    shown_lanes = [lane for lane in _lane_order(set(lanes.values())) if lane in used]
+    marks = [
+        FaultMark((f.time_ns - origin) / 1e9, f.kind, _engine_lane(f.engine, shown_lanes))
+        for f in faults
+        if f.time_ns is not None and f.kind in COUNTERS and f.time_ns >= (cut_ns or origin)
+    ]
+    timed = sum(f.time_ns is not None and f.kind in COUNTERS for f in faults)
+    if timed > len(marks):
+        notes.append(f"{timed - len(marks)} faults happened before this window: not drawn")
     return Timeline(
-        lanes=[lane for lane in _lane_order(set(lanes.values())) if lane in used],
+        lanes=shown_lanes,
         bars=bars,
         steps=sorted(step_marks),
         start_s=start_s,
         end_s=max(b.end_s for b in bars),
         open_spans=open_spans,
         notes=notes,
+        marks=marks,
     )
 
 
@@ -151,7 +176,7 @@ def _window(
     return cut, [note]
 
 
-def _run_start(spans: list[Span]) -> int:
+def run_start_ns(spans: list[Span]) -> int:
     runs = [s.start_ns for s in spans if s.name == "miles.run"]
     return min(runs) if runs else min(s.start_ns for s in spans)
 
@@ -197,6 +222,14 @@ def _lanes(spans: list[Span]) -> dict[str, str]:
         else:
             lanes[span.span_id] = service
     return lanes
+
+
+def _engine_lane(engine: int | None, lanes: list[str]) -> str | None:
+    """The lane of engine `engine`: "engine3" (its own actor) or "engine 3" (a shared one)."""
+    if engine is None:
+        return None
+    pattern = re.compile(rf"engine\D*\b{engine}$|engine{engine}$")
+    return next((lane for lane in lanes if pattern.search(lane)), None)
 
 
 def _lane_order(lanes: set[str]) -> list[str]:
