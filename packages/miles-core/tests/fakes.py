@@ -120,6 +120,9 @@ class FakeEngine:
         self.log.append("resume")
         self.paused = False
 
+    def leave_weight_sync(self) -> None:
+        self.log.append("leave")
+
 
 def request(request_id: int, max_new_tokens: int = 4) -> GenerateRequest:
     from miles.core.types import SamplingParams

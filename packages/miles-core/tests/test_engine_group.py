@@ -66,7 +66,7 @@ def test_a_failed_engine_restarts_stale_and_is_ready_after_a_sync() -> None:
     asyncio.run(main())
 
 
-def test_past_its_restart_budget_an_engine_makes_the_run_fail() -> None:
+def test_past_its_restart_budget_the_last_engine_makes_the_run_fail() -> None:
     async def main() -> None:
         launcher = Launcher()
         launcher.broken.add(0)  # every restart fails its first health check
@@ -78,6 +78,23 @@ def test_past_its_restart_budget_an_engine_makes_the_run_fail() -> None:
         with pytest.raises(EngineFailedError, match="max_engine_restarts=2") as err:
             pool.check()
         assert "restart failed: RuntimeError: CUDA error" in str(err.value)
+        assert "no rollout engine is left" in str(err.value)
+
+    asyncio.run(main())
+
+
+def test_past_its_restart_budget_an_engine_is_dropped_and_the_others_go_on() -> None:
+    async def main() -> None:
+        launcher = Launcher()
+        launcher.broken.add(1)
+        pool = EnginePool(launcher, [FakeHandle(FakeEngine()) for _ in range(2)], FAST)
+        pool.fail(1, 0, "segfault")
+        while pool.slots[1].state != "dropped":
+            await asyncio.sleep(0.01)
+        pool.check()  # not fatal: engine 0 lives
+        assert [s.index for s in pool.alive()] == [0] and pool.dropped_total == 1
+        pool.fail(1, 1, "a late report about the dropped engine")  # ignored
+        assert pool.slots[1].state == "dropped" and launcher.launched == [1, 1]
 
     asyncio.run(main())
 
@@ -167,6 +184,25 @@ def test_a_restarted_engine_rejoins_at_the_next_sync(group: Any) -> None:
         routes = sub.routes[-1]
         assert [(r.index, r.generation) for r in routes.ready] == [(0, 1), (1, 0)]
         assert routes.restarts == 1
+
+    asyncio.run(main())
+
+
+def test_a_broken_sync_is_torn_down_and_waits_for_the_dead_engine(group: Any) -> None:
+    async def main() -> None:
+        g, engines, sub = group()
+        await g.connect(FakeHandle(sub))
+        await g.begin_update()
+        g.sync_world()
+        await g.end_update()
+        engines[1].health = lambda: (_ for _ in ()).throw(RuntimeError("ActorDiedError"))  # type: ignore[method-assign]
+        await g.abort_sync()  # the trainer's send failed: every side leaves the group
+        assert "leave" in engines[0].log and "leave" in engines[1].log
+        assert g.pool.slots[1].state == "down"  # found dead by its health check
+        await g.await_engines()  # returns once it is back (stale)
+        assert g.pool.slots[1].state == "stale"
+        assert await g.begin_update() is True  # the next try builds a new group
+        assert g.sync_world() == 3
 
     asyncio.run(main())
 

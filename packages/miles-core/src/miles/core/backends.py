@@ -157,6 +157,11 @@ class RolloutEngine(Protocol):
         """Joins a new weight-sync group (leaving the previous one)."""
         ...
 
+    def leave_weight_sync(self) -> None:
+        """Tears the weight-sync group down (a sync lost a member): a receive blocked on it
+        returns with an error. Called from another thread than the receive."""
+        ...
+
     def receive_weights(self, plan: SyncPlan, version: int) -> None:
         """Takes one sync's buckets from the group, in plan order; then holds `version`."""
         ...
@@ -193,6 +198,10 @@ class TrainBackend(Protocol):
 
     def join_weight_sync(self, host: str, port: int, world_size: int) -> None:
         """Rank 0 joins a new weight-sync group with the engines, as its rank 0."""
+        ...
+
+    def leave_weight_sync(self) -> None:
+        """Tears the weight-sync group down (a sync lost a member); the next sync joins anew."""
         ...
 
     def send_weights(self, plan: SyncPlan) -> int:

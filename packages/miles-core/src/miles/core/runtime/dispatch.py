@@ -50,6 +50,7 @@ class Routes:
     held: bool = False  # a weight update is under way: requests wait
     fatal: str | None = None  # an engine failed past its restart budget
     restarts: int = 0  # engine restarts so far, for the run's metrics
+    dropped: int = 0  # engines dropped past their restart budget
 
 
 # (engine index, generation, reason): the engine group's business from there.

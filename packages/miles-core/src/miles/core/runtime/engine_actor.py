@@ -95,6 +95,9 @@ class EngineActor:
     def join_weight_sync(self, host: str, port: int, world_size: int, rank: int) -> None:
         self.engine.join_weight_sync(host, port, world_size, rank)
 
+    def leave_weight_sync(self) -> None:
+        self.engine.leave_weight_sync()
+
     def receive_weights(self, plan: SyncPlan, version: int, trace_carrier: dict[str, str]) -> None:
         with (
             attached(trace_carrier),

@@ -40,8 +40,9 @@ class EngineGroup:
         self._held = False
         self._epoch = 0  # of the routes pushed last
         # (slot, generation) of each engine in the current weight-sync group: a restarted engine
-        # is a new member even in its old slot.
-        self._members: list[tuple[int, int]] = []
+        # is a new member even in its old slot. None: there is no usable group (none built yet,
+        # or a sync broke it).
+        self._members: list[tuple[int, int]] | None = None
 
     # ── the rollout manager's side ───────────────────────────────────────────────────────────────
 
@@ -60,7 +61,12 @@ class EngineGroup:
         pool = self.pool
         ready = tuple(Route(s.index, s.generation, s.handle) for s in pool.ready())
         return Routes(
-            self._epoch, ready, held=self._held, fatal=pool.fatal, restarts=pool.restarts_total
+            self._epoch,
+            ready,
+            held=self._held,
+            fatal=pool.fatal,
+            restarts=pool.restarts_total,
+            dropped=pool.dropped_total,
         )
 
     def _publish(self) -> None:
@@ -88,7 +94,7 @@ class EngineGroup:
         await asyncio.gather(
             *(_quietly(s.handle.pause.remote()) for s in self.pool.alive()), _await(held)
         )
-        return self._alive_members() != self._members
+        return self._members is None or self._alive_members() != self._members
 
     def sync_world(self) -> int:
         """Fixes the members of the next weight-sync group (the alive engines); its world size
@@ -98,7 +104,7 @@ class EngineGroup:
 
     async def join_sync(self, host: str, port: int) -> None:
         """The members join the new group (as the trainer does, at the same time)."""
-        world = len(self._members) + 1
+        world = len(self._member_slots()) + 1
         await asyncio.gather(
             *(
                 s.handle.join_weight_sync.remote(host, port, world, rank + 1)
@@ -115,7 +121,8 @@ class EngineGroup:
         """Colocated sync: engine i's handle at index i (it shares train rank i's GPU), None
         where an engine is down. Those alive become the members."""
         self._members = self._alive_members()
-        return [s.handle if s.state != "down" else None for s in self.pool.slots]
+        alive = set(self._members)
+        return [s.handle if (s.index, s.generation) in alive else None for s in self.pool.slots]
 
     async def end_update(self) -> None:
         """The members hold the new weights: stale engines are ready, everyone resumes."""
@@ -124,19 +131,29 @@ class EngineGroup:
         self._held = False
         await self._push()
 
-    async def sync_failed(self) -> None:
-        """A weight sync broke off: find the engines that died in it (restarting them); the
-        group is rebuilt before the next try."""
-        for slot in self.pool.alive():
+    async def abort_sync(self) -> None:
+        """A weight sync broke off: every engine leaves the group (which ends a receive still
+        waiting on it), and those that died in it are restarted. The next sync builds a new
+        group."""
+        self._members = None
+        alive = self.pool.alive()
+        await asyncio.gather(*(_quietly(s.handle.leave_weight_sync.remote()) for s in alive))
+        for slot in alive:
             try:
                 await asyncio.wait_for(_await(slot.handle.health.remote()), 30)
             except Exception as exc:
                 self.pool.fail(slot.index, slot.generation, f"died during a weight sync: {exc!r}")
-        self._members = []
 
-    def reset_sync_group(self) -> None:
+    async def await_engines(self) -> None:
+        """Returns once no engine is mid-restart (each came back, or was dropped past its
+        restart budget); raises if none is left."""
+        while self.pool.restarting():
+            await asyncio.sleep(0.05)
+        self.pool.check()
+
+    async def reset_sync_group(self) -> None:
         """The trainer side of the group is new (a train-group restart): rebuild before use."""
-        self._members = []
+        await self.abort_sync()
 
     def needs_recovery(self) -> bool:
         """No engine can take requests until a weight sync (every one is stale after a
@@ -148,7 +165,7 @@ class EngineGroup:
         return [(s.index, s.generation) for s in self.pool.alive()]
 
     def _member_slots(self) -> list[EngineSlot]:
-        return [self.pool.slots[i] for i, _ in self._members]
+        return [self.pool.slots[i] for i, _ in self._members or []]
 
     # ── memory, state and checks ─────────────────────────────────────────────────────────────────
 
@@ -172,8 +189,15 @@ class EngineGroup:
         return str(health["dtype"])
 
     async def rng_states(self) -> list[str]:
+        """Each slot's engine RNG state ("" for a dropped engine)."""
+        alive = {s.index for s in self.pool.alive()}
         return list(
-            await asyncio.gather(*(s.handle.get_rng_state.remote() for s in self.pool.slots))
+            await asyncio.gather(
+                *(
+                    _await(s.handle.get_rng_state.remote()) if s.index in alive else _empty()
+                    for s in self.pool.slots
+                )
+            )
         )
 
     async def set_rng_states(self, states: list[str]) -> None:
@@ -186,10 +210,12 @@ class EngineGroup:
                 now=len(self.pool.slots),
             )
             return
+        alive = {s.index for s in self.pool.alive()}
         await asyncio.gather(
             *(
                 s.handle.set_rng_state.remote(r)
                 for s, r in zip(self.pool.slots, states, strict=True)
+                if r and s.index in alive
             )
         )
 
@@ -209,6 +235,10 @@ async def _await(ref: Any) -> Any:
 
 async def _done() -> None:
     return None
+
+
+async def _empty() -> str:
+    return ""
 
 
 async def _quietly(ref: Any) -> None:

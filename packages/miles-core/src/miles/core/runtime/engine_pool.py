@@ -1,10 +1,11 @@
 """The rollout engines under supervision: health checks, restarts with capped back-off.
 
 Each engine lives in a slot. A slot is `ready` (takes requests), `down` (dead or hung; a restart
-is under way) or `stale` (restarted, holding the base model's weights until the next weight sync
-brings it to the current version). Each restart bumps the slot's `generation`, so a failure
-reported against an engine that was already replaced is ignored. An engine that fails more than
-`fault.max_engine_restarts` times makes the run fail with the last error (`fatal`).
+is under way), `stale` (restarted, holding the base model's weights until the next weight sync
+brings it to the current version) or `dropped`. Each restart bumps the slot's `generation`, so a
+failure reported against an engine that was already replaced is ignored. An engine that fails more
+than `fault.max_engine_restarts` times is dropped and the run goes on with the others; only when
+every engine is dropped does the run fail, with the last error (`fatal`).
 
 No Ray actor of its own: the engine group hosts it, and tests drive it with fake engines.
 """
@@ -23,11 +24,11 @@ from miles.core.config import FaultConfig
 
 log = structlog.get_logger(__name__)
 
-SlotState = Literal["ready", "down", "stale"]
+SlotState = Literal["ready", "down", "stale", "dropped"]
 
 
 class EngineFailedError(RuntimeError):
-    """An engine failed past its restart budget: the run cannot go on."""
+    """Every engine failed past its restart budget: the run cannot go on."""
 
 
 class Launcher(Protocol):
@@ -55,7 +56,8 @@ class EnginePool:
     kill: Callable[[Any], None] = lambda handle: None  # stops a failed engine for good
     slots: list[EngineSlot] = field(init=False)
     restarts_total: int = 0
-    fatal: str | None = None  # set when an engine is past its restart budget
+    dropped_total: int = 0
+    fatal: str | None = None  # set when the last engine is dropped
 
     def __post_init__(self) -> None:
         self.slots = [EngineSlot(i, h) for i, h in enumerate(self.handles)]
@@ -68,7 +70,10 @@ class EnginePool:
 
     def alive(self) -> list[EngineSlot]:
         """Engines that can take part in a weight sync: ready ones and restarted (stale) ones."""
-        return [s for s in self.slots if s.state != "down"]
+        return [s for s in self.slots if s.state in ("ready", "stale")]
+
+    def restarting(self) -> list[EngineSlot]:
+        return [s for s in self.slots if s.state == "down"]
 
     def stale(self) -> list[EngineSlot]:
         return [s for s in self.slots if s.state == "stale"]
@@ -83,10 +88,12 @@ class EnginePool:
         """Takes the engine out of rotation, kills it, and restarts it in the background. A
         report about an earlier generation of the slot (already replaced) is ignored."""
         slot = self.slots[index]
-        if slot.state == "down" or slot.generation != generation:
+        if slot.state in ("down", "dropped") or slot.generation != generation:
             return
         slot.state, slot.last_error = "down", reason
-        log.warning("engine failed; restarting it", engine=slot.index, reason=reason)
+        log.warning(
+            "engine failed; restarting it", fault="engine_failed", engine=slot.index, reason=reason
+        )
         self.kill(slot.handle)
         self._spawn(self._restart(slot))
         self.on_change()
@@ -94,13 +101,7 @@ class EnginePool:
     async def _restart(self, slot: EngineSlot) -> None:
         while True:
             if self.launcher is None or slot.restarts >= self.fault.max_engine_restarts:
-                self.fatal = (
-                    f"rollout engine {slot.index} failed and was restarted {slot.restarts} times "
-                    f"(fault.max_engine_restarts={self.fault.max_engine_restarts}); last error: "
-                    f"{slot.last_error}"
-                )
-                log.error("engine past its restart budget", engine=slot.index, error=self.fatal)
-                self.on_change()
+                self._drop(slot)
                 return
             delay = min(self.fault.backoff_s * 2**slot.restarts, self.fault.backoff_max_s)
             slot.restarts += 1
@@ -116,9 +117,35 @@ class EnginePool:
                 continue
             slot.handle, slot.state = handle, "stale"
             slot.generation += 1
-            log.info("engine restarted; it rejoins at the next weight sync", engine=slot.index)
+            log.info(
+                "engine restarted; it rejoins at the next weight sync",
+                fault="engine_restarted",
+                engine=slot.index,
+            )
             self.on_change()
             return
+
+    def _drop(self, slot: EngineSlot) -> None:
+        """Past its restart budget: the run goes on without the engine, unless it was the last."""
+        slot.state = "dropped"
+        self.dropped_total += 1
+        reason = (
+            f"rollout engine {slot.index} failed and was restarted {slot.restarts} times "
+            f"(fault.max_engine_restarts={self.fault.max_engine_restarts}); last error: "
+            f"{slot.last_error}"
+        )
+        if all(s.state == "dropped" for s in self.slots):
+            self.fatal = f"{reason}; no rollout engine is left"
+            log.error("the last engine is past its restart budget", error=self.fatal)
+        else:
+            log.warning(
+                "engine dropped; the run goes on with the others",
+                fault="engine_dropped",
+                engine=slot.index,
+                reason=reason,
+                engines_left=sum(s.state != "dropped" for s in self.slots),
+            )
+        self.on_change()
 
     def mark_synced(self) -> None:
         """After a weight sync that included every alive engine: stale ones are ready now."""

@@ -158,6 +158,7 @@ class RolloutManager:
                 "async/requeued": float(dispatcher.requeued - self._requeued_at_take),
                 "perf/rollout_idle_frac": min(max(1.0 - busy / wall, 0.0), 1.0),
                 "fault/engine_restarts": float(dispatcher.routes.restarts),
+                "fault/engines_dropped": float(dispatcher.routes.dropped),
                 **self.ledger.metrics(),
             }
         )

@@ -149,6 +149,9 @@ class TrainActor:
     def join_sync(self, host: str, port: int, world_size: int) -> None:
         self.backend.join_weight_sync(host, port, world_size)
 
+    def leave_sync(self) -> None:
+        self.backend.leave_weight_sync()
+
     def send_weights(self, plan: SyncPlan, version: int, trace: dict[str, str]) -> int:
         """Streams weights to the engines (collective over ranks; rank 0 broadcasts)."""
         with attached(trace), span("miles.weight_sync.send", version=version, rank=self.rank):

@@ -1,9 +1,10 @@
 """Weight updates, driven by the controller: the trainer's weights to every alive engine.
 
 A broadcast over a process group of rank 0 and the engines (rebuilt whenever its members changed),
-or, colocated, each bucket handed to the engine on the same GPU. Engines that die during a sync
-are restarted by the engine group and the sync is tried again; afterwards the engines' weights
-are checked against the trainer's (`rollout.verify_weights`).
+or, colocated, each bucket handed to the engine on the same GPU. A sync that fails (an engine
+died in it) is torn down on every side, the engine group restarts the dead engines (or drops
+those past their restart budget), and the sync is done again with a new group of the live ones.
+Afterwards the engines' weights are checked against the trainer's (`rollout.verify_weights`).
 """
 
 from __future__ import annotations
@@ -52,18 +53,22 @@ class WeightUpdater:
         t0 = time.perf_counter()
         version = self.version + 1 if new_version else self.version
         synced_through = step if new_version else self.synced_through
+        # Each failed try costs an engine a restart (or drops it), so the tries are bounded.
+        tries = (self.config.fault.max_engine_restarts + 1) * self.config.rollout.engines + 1
         with span("miles.weight_sync", step=step, version=version):
-            for attempt in range(self.config.fault.max_engine_restarts + 1):
+            for attempt in range(tries):
                 try:
                     sent = self._sync_once(version, finish_batches=new_version)
                     break
                 except TrainerDied:
                     raise
                 except Exception as exc:
-                    log.warning("weight sync failed; retrying", attempt=attempt, error=repr(exc))
-                    ray.get(self.engines.sync_failed.remote())
+                    log.warning("weight sync failed; redoing it", attempt=attempt, error=repr(exc))
+                    self._tear_down()
             else:
-                raise WeightSyncError(f"weight sync to version {version} failed repeatedly")
+                raise WeightSyncError(
+                    f"weight sync to version {version} failed {tries} times; see events.jsonl"
+                )
             self.version, self.synced_through = version, synced_through
             if self.config.rollout.verify_weights:
                 self.verify()
@@ -79,6 +84,12 @@ class WeightUpdater:
             "weights/sync_bytes": float(sent),
             "perf/sync_s": time.perf_counter() - t0,
         }
+
+    def _tear_down(self) -> None:
+        """Every side leaves the broken group; then wait until dead engines are replaced."""
+        self.trainers.call("leave_sync")
+        ray.get(self.engines.abort_sync.remote())
+        ray.get(self.engines.await_engines.remote())
 
     def _sync_once(self, version: int, *, finish_batches: bool) -> int:
         if finish_batches and self.wait_for_batches:

@@ -355,6 +355,9 @@ class TorchRolloutEngine:
     def join_weight_sync(self, host: str, port: int, world_size: int, rank: int) -> None:
         self._receiver.join(host, port, world_size, rank)
 
+    def leave_weight_sync(self) -> None:
+        self._receiver.close()
+
     def receive_weights(self, plan: SyncPlan, version: int) -> None:
         self._receiver.receive(plan, version)
 

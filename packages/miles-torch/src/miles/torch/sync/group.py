@@ -50,10 +50,14 @@ class SyncGroup:
             self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
     def close(self) -> None:
-        """Drops the group (before a new one replaces it, e.g. after an engine restart)."""
+        """Drops the group (before a new one replaces it, e.g. after an engine restart). NCCL's
+        is aborted, which also ends a broadcast still waiting for a peer that died."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
         with contextlib.suppress(Exception):  # a group whose peer died may not shut down cleanly
-            self._pg.shutdown()
-        self._pg = None
+            gloo = isinstance(pg, dist.ProcessGroupGloo)
+            (pg.shutdown if gloo else getattr(pg, "abort", pg.shutdown))()
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()

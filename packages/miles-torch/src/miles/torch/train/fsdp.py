@@ -464,6 +464,9 @@ class FSDPTrainer:
     def join_weight_sync(self, host: str, port: int, world_size: int) -> None:
         self.weights.join(host, port, world_size)
 
+    def leave_weight_sync(self) -> None:
+        self.weights.close()
+
     def send_weights(self, plan: SyncPlan) -> int:
         return self.weights.send(plan)
 
