@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 
 from miles.core.types import Sample
-from miles.rewards.code import Code, CodeConfig, extract_code, parse_tests
+from miles.rewards.code import Code, CodeConfig, SandboxConfig, extract_code, parse_tests
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 IO_TESTS = [
@@ -18,8 +19,12 @@ IO_TESTS = [
 ]
 
 
+# Root (here and in CI) gets full isolation; an unprivileged developer's run can only be weak.
+WEAK_OK = SandboxConfig(allow_weak=os.geteuid() != 0)
+
+
 def score(response: str, tests, **config) -> float:
-    reward = Code(CodeConfig(**{"timeout_s": 3.0, **config}))
+    reward = Code(CodeConfig(**{"timeout_s": 3.0, "sandbox": WEAK_OK, **config}))
     return asyncio.run(reward(response, Sample(prompt_ids=[1], metadata={"tests": tests})))
 
 
@@ -81,7 +86,16 @@ def test_missing_field_names_the_fix() -> None:
 
 
 def test_reward_is_reusable_across_event_loops() -> None:
-    reward = Code(CodeConfig(timeout_s=3.0, max_concurrency=1))
+    reward = Code(CodeConfig(timeout_s=3.0, max_concurrency=1, sandbox=WEAK_OK))
     sample = Sample(prompt_ids=[1], metadata={"tests": IO_TESTS})
     assert asyncio.run(reward(ADD, sample)) == 1.0
     assert asyncio.run(reward(ADD, sample)) == 1.0
+
+
+def test_sandbox_allow_weak_reaches_the_sandbox() -> None:
+    async def sandbox_of(config: CodeConfig):
+        return Code(config)._sandbox()
+
+    assert asyncio.run(sandbox_of(CodeConfig())).allow_weak is False  # refuses weak isolation
+    weak = CodeConfig(sandbox=SandboxConfig(allow_weak=True))
+    assert asyncio.run(sandbox_of(weak)).allow_weak is True

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -14,27 +17,46 @@ from pathlib import Path
 
 import pytest
 
-from miles.rewards.sandbox import Sandbox, SandboxLimits, SandboxResult, _launcher, run_python
+from miles.rewards.sandbox import (
+    Sandbox,
+    SandboxLimits,
+    SandboxResult,
+    SandboxUnavailable,
+    _launcher,
+    run_python,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 FAST = SandboxLimits(wall_s=3.0)
 # A uid range of this test process's own, so the leftover check below cannot see other runs.
 SANDBOX_UIDS = range(63000 + (os.getpid() % 400) * 16, 63000 + (os.getpid() % 400 + 1) * 16)
 WORK_ROOT: Path | None = None
+# As root (here and in CI) the sandbox must isolate fully: a weak fallback fails the tests. An
+# unprivileged developer's run can only be weak; it is allowed, and the tests check what remains.
+ROOT = os.geteuid() == 0
 
 
-def make_sandbox(max_concurrency: int | None = None) -> Sandbox:
+def make_sandbox(
+    max_concurrency: int | None = None,
+    *,
+    allow_weak: bool = not ROOT,
+    extra_paths: tuple[str, ...] = (),
+) -> Sandbox:
     return Sandbox(
         max_concurrency,
         uid_base=SANDBOX_UIDS.start,
         uid_count=len(SANDBOX_UIDS),
         workdir_root=str(WORK_ROOT),
+        allow_weak=allow_weak,
+        extra_paths=extra_paths,
     )
 
 
-def run(code: str, stdin: str = "", limits: SandboxLimits = FAST) -> SandboxResult:
+def run(
+    code: str, stdin: str = "", limits: SandboxLimits = FAST, sandbox: Sandbox | None = None
+) -> SandboxResult:
     async def main() -> SandboxResult:
-        return await run_python(code, stdin=stdin, limits=limits, sandbox=make_sandbox())
+        return await run_python(code, stdin=stdin, limits=limits, sandbox=sandbox or make_sandbox())
 
     return asyncio.run(main())
 
@@ -293,3 +315,183 @@ def test_limits_validation() -> None:
     with pytest.raises(ValueError):
         SandboxLimits(wall_s=0)
     assert SandboxLimits(wall_s=2.5).cpu_seconds == 3
+
+
+# Reward hacking by reading the host: answers, test cases, other runs' outputs, configs.
+
+
+def test_host_files_do_not_exist_inside() -> None:
+    if not ROOT:
+        pytest.skip("not running as root: no private root file system")
+    assert WORK_ROOT is not None
+    secret = f"miles-secret-{uuid.uuid4().hex}"
+    planted = [
+        Path(f"/tmp/miles_secret_{uuid.uuid4().hex}"),  # world-readable, in the shared /tmp
+        REPO / f"miles_secret_{uuid.uuid4().hex}",  # the repository
+        WORK_ROOT / f"miles_secret_{uuid.uuid4().hex}",  # the work dir's parent
+    ]
+    code = (
+        "import os\n"
+        f"for path in {[str(p) for p in planted]!r} + ['/etc/passwd', '/etc/hostname']:\n"
+        "    try:\n"
+        "        print('READ', path, open(path).read())\n"
+        "    except OSError as e:\n"
+        "        print('hidden', e.errno)\n"
+        "parent = os.path.dirname(os.getcwd())\n"
+        "print('parent', sorted(os.listdir(parent)) == [os.path.basename(os.getcwd())])\n"
+        "for path in ['/home', '/sys', '/var', '/run', '/opt', '/etc/hosts']:\n"
+        "    print('exists', path, os.path.exists(path))\n"
+        "print('etc', sorted(os.listdir('/etc')))\n"
+        f"repo = {str(REPO)!r}\n"
+        "print('repo', sorted(os.listdir(repo)) if os.path.exists(repo) else None)\n"
+    )
+    try:
+        for path in planted:
+            path.write_text(secret)
+            path.chmod(0o644)
+        r = run(code)
+    finally:
+        for path in planted:
+            path.unlink(missing_ok=True)
+    assert r.status == "ok", r.stderr
+    assert secret not in r.stdout and "READ" not in r.stdout, r.stdout
+    lines = r.stdout.splitlines()
+    assert lines.count("hidden 2") == len(planted) + 2  # ENOENT: not there at all
+    assert "parent True" in lines and "etc ['ld.so.cache']" in lines
+    assert not [line for line in lines if line.startswith("exists") and line.endswith("True")]
+    # The repository exists inside only as the way to an interpreter directory in it (a venv).
+    venvs = {
+        Path(d).relative_to(REPO).parts[0]
+        for d in make_sandbox()._interpreter_dirs()
+        if Path(d).is_relative_to(REPO)
+    }
+    repo_line = next(line for line in lines if line.startswith("repo"))
+    assert repo_line == ("repo None" if not venvs else f"repo {sorted(venvs)}"), repo_line
+    assert isolated(r, "private_root") and isolated(r, "mountns")
+
+
+def test_host_processes_are_not_visible() -> None:
+    if not ROOT:
+        pytest.skip("not running as root: no pid namespace")
+    host_init = Path("/proc/1/cmdline").read_bytes()
+    code = (
+        "import os, json\n"
+        "pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n"
+        "init = open('/proc/1/cmdline', 'rb').read()\n"
+        "try:\n"
+        f"    os.kill({os.getpid()}, 0)\n"
+        "    signal = 'delivered'\n"
+        "except OSError as e:\n"
+        "    signal = type(e).__name__\n"
+        "print(json.dumps({'pids': pids, 'init': init.decode(), 'me': os.getpid(),\n"
+        "                  'parent': os.getppid(), 'signal': signal}))\n"
+    )
+    r = run(code)
+    assert r.status == "ok", r.stderr
+    seen = json.loads(r.stdout)
+    # pid 1 is the sandbox's init, 2 the program: nothing of the host, whose pid 1 stays unread.
+    assert seen["pids"] == [1, 2] and (seen["me"], seen["parent"]) == (2, 1), seen
+    assert "_launcher.py" in seen["init"] and seen["init"].encode() != host_init
+    if os.getpid() > 2:  # the test's own pid names no process inside
+        assert seen["signal"] == "ProcessLookupError"
+    assert isolated(r, "pidns") and isolated(r, "private_proc")
+
+
+def test_host_ipc_is_not_visible() -> None:
+    # A world-readable System V shared memory segment of the host: a channel around the file system.
+    if not ROOT:
+        pytest.skip("not running as root: no IPC namespace")
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = 0x4D000000 + os.getpid() % 0xFFFF
+    shmid = libc.shmget(key, 4096, 0o1000 | 0o644)  # IPC_CREAT, rw-r--r--
+    assert shmid >= 0, os.strerror(ctypes.get_errno())
+    try:
+        code = (
+            "import ctypes\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            f"print(libc.shmget({key}, 0, 0), ctypes.get_errno())\n"
+        )
+        r = run(code)
+    finally:
+        libc.shmctl(shmid, 0, None)  # IPC_RMID
+    assert r.status == "ok", r.stderr
+    assert r.stdout.split() == ["-1", "2"]  # ENOENT: no such segment in the sandbox
+    assert isolated(r, "ipcns")
+
+
+def test_no_sys_and_a_minimal_dev() -> None:
+    if not ROOT:
+        pytest.skip("not running as root: no private root file system")
+    code = (
+        "import os\n"
+        "print(os.path.exists('/sys'), sorted(os.listdir('/dev')))\n"
+        "open('/dev/null', 'w').write('x')\n"
+        "print(len(open('/dev/urandom', 'rb').read(16)), open('/dev/zero', 'rb').read(2))\n"
+        "for path in ('/dev/shm/x', '/dev/x', '/x'):\n"
+        "    try:\n"
+        "        open(path, 'w')\n"
+        "        print('WROTE', path)\n"
+        "    except OSError as e:\n"
+        "        print('refused', e.errno)\n"
+    )
+    r = run(code)
+    assert r.status == "ok", r.stderr
+    lines = r.stdout.splitlines()
+    nodes = ["fd", "full", "null", "random", "stderr", "stdin", "stdout", "urandom", "zero"]
+    assert lines[0] == f"False {nodes}"
+    assert lines[1] == "16 b'\\x00\\x00'"
+    assert "WROTE" not in r.stdout, r.stdout
+
+
+def test_stdlib_and_c_extensions_work_inside() -> None:
+    wanted = ["json", "_json", "math", "decimal", "hashlib", "zlib", "ctypes", "unicodedata"]
+    wanted += ["sqlite3", "ssl", "lzma", "bz2", "array", "heapq", "fractions", "re"]
+    modules = [m for m in wanted if importlib.util.find_spec(m) is not None]
+    code = (
+        "import importlib, subprocess, sys\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "import decimal, json, math\n"
+        "print(json.dumps([math.isqrt(10**20), str(decimal.Decimal(1) / 7)]))\n"
+        "child = subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True)\n"
+        "print(child.stdout.decode().strip(), child.stderr.decode()[-300:])\n"
+    )
+    r = run(code)
+    assert r.status == "ok", r.stderr
+    assert r.stdout.splitlines()[:2] == ['[10000000000, "0.1428571428571428571428571429"]', "42 "]
+
+
+def test_weak_isolation_is_refused_unless_allowed() -> None:
+    # A system without namespaces, simulated: the launcher treats these steps as refused.
+    sandbox = make_sandbox(allow_weak=False)
+    sandbox._unavailable = ("netns", "pidns", "mountns")
+    with pytest.raises(SandboxUnavailable, match="allow_weak: true") as refused:
+        run("print('RAN')", sandbox=sandbox)
+    assert "a network namespace" in str(refused.value) and "a pid namespace" in str(refused.value)
+    # One missing step is enough to refuse.
+    sandbox._unavailable = ("private_root",)
+    with pytest.raises(SandboxUnavailable, match="private root"):
+        run("print('RAN')", sandbox=sandbox)
+    if not ROOT:
+        return
+    # Allowed: it runs, with what remains, and says which mechanisms those are.
+    weak = make_sandbox(allow_weak=True)
+    weak._unavailable = ("netns", "pidns", "private_root")
+    r = run("print('RAN')", sandbox=weak)
+    assert r.ok and r.stdout == "RAN\n", r.stderr
+    assert isolated(r, "socket_guard") and isolated(r, "readonly_fs") and isolated(r, "uid")
+    assert not any(isolated(r, m) for m in ("netns", "pidns", "private_root", "private_proc"))
+
+
+def test_extra_paths_are_shown_read_only(tmp_path_factory: pytest.TempPathFactory) -> None:
+    if not ROOT:
+        pytest.skip("not running as root: no private root file system")
+    data = tmp_path_factory.mktemp("extra")
+    (data / "table.txt").write_text("42")
+    data.chmod(0o755)  # the program's uid needs read access; closed parents do not matter
+    code = (
+        f"print(open({str(data / 'table.txt')!r}).read())\nopen({str(data / 'new.txt')!r}, 'w')\n"
+    )
+    r = run(code, sandbox=make_sandbox(extra_paths=(str(data),)))
+    assert r.stdout == "42\n" and "Read-only file system" in r.stderr, r.stderr
+    assert not (data / "new.txt").exists()

@@ -19,7 +19,7 @@ import asyncio
 import json
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from miles.core.types import Sample
@@ -30,12 +30,20 @@ _PYTHON_TAGS = {"python", "py", "python3"}
 
 
 @dataclass
+class SandboxConfig:
+    # Run programs even where strong isolation (namespaces, a private root, a uid of its own: root
+    # is needed) cannot be set up, with what remains (see docs/sandbox.md). Off: such runs raise.
+    allow_weak: bool = False
+
+
+@dataclass
 class CodeConfig:
     test_key: str = "tests"  # the data-row field holding the test cases
     timeout_s: float = 5.0  # wall-clock limit of each case's run
     memory_mb: int = 256  # memory limit of each case's run
     extract: Literal["last_block", "full"] = "last_block"  # see `extract_code`
     max_concurrency: int = 0  # sandbox runs at a time; 0: the number of CPUs
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 def extract_code(response: str, mode: str = "last_block") -> str:
@@ -135,7 +143,9 @@ class Code:
         loop = asyncio.get_running_loop()
         if loop not in self._sandboxes:
             self._sandboxes = {lp: s for lp, s in self._sandboxes.items() if not lp.is_closed()}
-            self._sandboxes[loop] = Sandbox(self.config.max_concurrency or None)
+            self._sandboxes[loop] = Sandbox(
+                self.config.max_concurrency or None, allow_weak=self.config.sandbox.allow_weak
+            )
         return self._sandboxes[loop]
 
     async def __call__(self, response: str, sample: Sample) -> float:

@@ -4,6 +4,14 @@ What is enforced, how, and the fallbacks where the system does not allow it: doc
 """
 
 from miles.rewards.sandbox.datatypes import SandboxLimits, SandboxResult, Status
-from miles.rewards.sandbox.runner import Sandbox, SandboxError, run_python
+from miles.rewards.sandbox.runner import Sandbox, SandboxError, SandboxUnavailable, run_python
 
-__all__ = ["Sandbox", "SandboxError", "SandboxLimits", "SandboxResult", "Status", "run_python"]
+__all__ = [
+    "Sandbox",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "Status",
+    "run_python",
+]

@@ -6,31 +6,57 @@ Standard library only (it runs in isolated mode, without miles on the path). Thr
       └─ init   (pid 1 of a fresh pid namespace: when it exits, the kernel kills everything in it)
            └─ user (limits set, privileges dropped, then runs solution.py in-process)
 
-Each isolation step is attempted separately and recorded; one that the system refuses falls back
-(see docs/sandbox.md). `init` reports what was enforced and how `user` ended as JSON lines on the
-info pipe, whose copy `user` closes before any untrusted code runs.
+The launcher unshares the network, pid, mount and IPC namespaces. `init`, the first process of
+the new pid namespace, builds the program's root file system (a fresh tmpfs holding read-only
+bind mounts of the interpreter and the system libraries, the work dir, a /proc of its own pid
+namespace and a minimal /dev) and `pivot_root`s into it, detaching the host's tree. Each step is
+recorded; if one that `REQUIRED` lists fails, `init` refuses to run the program unless the config
+allows weak isolation, and then falls back step by step (see docs/sandbox.md). `init` reports
+what was enforced and how `user` ended as JSON lines on the info pipe, whose copy `user` closes
+before any untrusted code runs.
 """
 
 from __future__ import annotations
 
+import contextlib  # (runpy imports it anyway)
 import ctypes
+import errno
 import json
 import os
 import resource
 import runpy
 import signal
 import sys
-import traceback
-from typing import Any
+
+# Each launcher start pays for its imports: `typing` and `traceback` (needed on errors only) are
+# not imported at run time.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWIPC = 0x08000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 # Exit code of `init` when the sandbox itself could not be set up (an internal error, not the code's).
 SETUP_FAILED = 111
+# Without these, isolation is weak: untrusted code runs only with all of them, or with `allow_weak`.
+REQUIRED = ("netns", "pidns", "mountns", "ipcns", "private_root", "private_proc", "uid")
+# What the program's root holds besides the interpreter's directories and the work dir, read-only:
+# the system's shared libraries (and its commands, for `subprocess`). A path that is a symlink on
+# the host (/lib -> usr/lib where /usr is merged) becomes the same symlink.
+SYSTEM_PATHS: tuple[str, ...] = ("/usr/bin", "/usr/lib", "/usr/lib64", "/usr/lib32", "/bin")
+SYSTEM_PATHS += ("/lib", "/lib64", "/lib32", "/etc/ld.so.cache")
+DEV_NODES = ("null", "zero", "full", "random", "urandom")
+DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1"}
+DEV_LINKS |= {"stderr": "/proc/self/fd/2"}
+# pivot_root(2) has no libc wrapper: its system call number, per architecture.
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "loongarch64": 41, "s390x": 217}
+_SYS_PIVOT_ROOT |= {"ppc64le": 203, "ppc64": 203}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -92,36 +118,152 @@ def _expose(paths: list[str]) -> list[str]:
     return sorted(blocked)
 
 
-def _isolate(cfg: dict[str, Any], notes: dict[str, Any]) -> None:
-    """Namespaces and mounts, in the launcher (root only; each step may fail independently)."""
-    for name, flag in (("netns", CLONE_NEWNET), ("pidns", CLONE_NEWPID), ("mountns", CLONE_NEWNS)):
+def _unshare(cfg: dict[str, Any], notes: dict[str, Any]) -> None:
+    """The namespaces, in the launcher (root only; each may fail independently)."""
+    namespaces = (("netns", CLONE_NEWNET), ("pidns", CLONE_NEWPID), ("mountns", CLONE_NEWNS))
+    for name, flag in (*namespaces, ("ipcns", CLONE_NEWIPC)):
         try:
+            if name in cfg.get("unavailable", ()):  # a test's stand-in for a system that refuses
+                raise OSError(errno.EPERM, "unavailable (simulated)")
             _call(_libc.unshare, flag)
             notes[name] = True
         except OSError as e:
             notes[name] = False
             notes[f"{name}_error"] = str(e)
-    if not notes["mountns"]:
-        return
-    workdir, uid, gid = cfg["workdir"], cfg["uid"], cfg["gid"]
-    # Nothing we mount from here on may leak back to the host's mount namespace.
-    _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
-    # The work dir becomes a size-capped tmpfs that exists only inside this namespace.
+    if notes["mountns"]:
+        # Nothing we mount from here on may leak back to the host's mount namespace.
+        _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+
+
+def _files(cfg: dict[str, Any], notes: dict[str, Any]) -> None:
+    """The program's file system, in `init` (which, unlike the launcher, is in the new pid ns)."""
+    workdir = cfg["workdir"]
     with open(os.path.join(workdir, "solution.py"), "rb") as f:
         code = f.read()
+    os.umask(0o022)
+    try:
+        if "private_root" in cfg.get("unavailable", ()):
+            raise OSError(errno.EPERM, "unavailable (simulated)")
+        _private_root(cfg, notes, code)
+        notes["private_root"] = True
+        return
+    except OSError as e:
+        notes["private_root"] = False
+        notes["private_root_error"] = str(e)
+    if not cfg["allow_weak"]:
+        return  # refused: see `_init`
+    # Undo a partly built root (mounted over the work dir), then fall back to the host's tree.
+    with contextlib.suppress(OSError):
+        _call(_libc.umount2, workdir.encode(), MNT_DETACH)
+    _host_view(cfg, notes, code)
+
+
+def _work_tmpfs(cfg: dict[str, Any], path: str, code: bytes) -> None:
+    """A size-capped tmpfs at `path`, holding solution.py and owned by the program's uid."""
+    uid, gid = cfg["uid"], cfg["gid"]
     owner = f",uid={uid},gid={gid}" if uid is not None else ""
     opts = f"size={cfg['disk_bytes']},nr_inodes={cfg['max_files']},mode=0700{owner}"
+    _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+    with open(os.path.join(path, "solution.py"), "wb") as f:
+        f.write(code)
+    if uid is not None:
+        os.chown(os.path.join(path, "solution.py"), uid, gid)
+
+
+def _bind(source: str, target: str) -> None:
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "a").close()  # a mount point for a file
+    _mount(source, target, None, MS_BIND | MS_REC, None)
+
+
+def _private_root(cfg: dict[str, Any], notes: dict[str, Any], code: bytes) -> None:
+    """Build the program's own root and pivot_root into it; the host's tree is then detached.
+
+    The new root is a tmpfs mounted over the work dir's path (a directory that exists and is ours;
+    the sources below are all elsewhere). It holds, at their host paths: the interpreter's
+    directories and `SYSTEM_PATHS` (read-only binds), the work dir (a fresh tmpfs), /proc (a new
+    proc of this pid namespace) and /dev (a tmpfs with binds of `DEV_NODES` only).
+    """
+    workdir: str = cfg["workdir"]
+    machine = os.uname().machine
+    if machine not in _SYS_PIVOT_ROOT:
+        raise OSError(errno.ENOSYS, f"pivot_root: unknown system call number on {machine}")
+    root = workdir
+
+    def inside(path: str) -> str:
+        return root + path
+
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+    os.makedirs(inside(workdir))
+    _work_tmpfs(cfg, inside(workdir), code)
+    notes["tmpfs_workdir"] = True
+    paths = [*cfg["expose"], *cfg.get("extra_paths", ()), *SYSTEM_PATHS]
+    dirs = [p.rstrip("/") + "/" for p in paths if os.path.isdir(p) and not os.path.islink(p)]
+    for path in dict.fromkeys(paths):
+        if any(path.startswith(d) for d in dirs):
+            continue  # inside another one (e.g. /usr/bin when the interpreter is /usr's)
+        if os.path.islink(path):
+            os.makedirs(os.path.dirname(inside(path)), exist_ok=True)
+            if not os.path.lexists(inside(path)):
+                os.symlink(os.readlink(path), inside(path))
+        elif os.path.exists(path):
+            _bind(path, inside(path))
+    # /proc of the new pid namespace: only its own processes. Mounted by init, a member of that
+    # namespace (the launcher is not). Without a pid namespace there is no /proc at all.
+    if notes["pidns"]:
+        os.mkdir(inside("/proc"))
+        try:
+            flags = MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY
+            _mount("proc", inside("/proc"), "proc", flags, None)
+            notes["private_proc"] = True
+        except OSError as e:
+            notes["private_proc_error"] = str(e)
+    dev = inside("/dev")
+    os.mkdir(dev)
+    _mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=0755")
+    for name in DEV_NODES:
+        if os.path.exists(f"/dev/{name}"):
+            _bind(f"/dev/{name}", f"{dev}/{name}")
+    for name, target in DEV_LINKS.items():
+        os.symlink(target, f"{dev}/{name}")
+    # Everything but the work dir becomes read-only (and nosuid; nodev but for the device nodes).
+    for point, flags in _mounts():
+        if point == inside(workdir) or not (point == root or point.startswith(root + "/")):
+            continue
+        flags |= MS_RDONLY | MS_NOSUID | (0 if point.startswith(dev + "/") else MS_NODEV)
+        _mount(None, point, None, MS_BIND | MS_REMOUNT | flags, None)
+    notes["readonly_fs"] = True
+    # pivot_root(".", "."): the new root goes to "/", with the old one stacked on top of it, which
+    # the detaching unmount then takes away (as runc does; see pivot_root(2)).
+    os.chdir(root)
+    _call(_libc.syscall, ctypes.c_long(_SYS_PIVOT_ROOT[machine]), b".", b".")
     try:
-        _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+        _call(_libc.umount2, b".", MNT_DETACH)
+    except OSError as e:  # not a fallback case: the host's tree would still be there
+        raise RuntimeError(f"cannot detach the host's root after pivot_root: {e}") from e
+    os.chdir("/")
+
+
+def _host_view(cfg: dict[str, Any], notes: dict[str, Any], code: bytes) -> None:
+    """The weak fallback (`allow_weak` only) when there is no private root: the host's tree,
+    read-only, with a private tmpfs work dir and, given a pid namespace, a private /proc."""
+    workdir, uid = cfg["workdir"], cfg["uid"]
+    try:
+        _work_tmpfs(cfg, workdir, code)
         notes["tmpfs_workdir"] = True
-        with open(os.path.join(workdir, "solution.py"), "wb") as f:
-            f.write(code)
-        if uid is not None:
-            os.chown(os.path.join(workdir, "solution.py"), uid, gid)
     except OSError as e:
         notes["tmpfs_workdir"] = False
         notes["tmpfs_workdir_error"] = str(e)
         _mount(workdir, workdir, None, MS_BIND, None)  # a mount of its own, so it stays writable
+    if notes["pidns"]:
+        try:
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+            notes["private_proc"] = True
+        except OSError as e:
+            notes["private_proc_error"] = str(e)
     if uid is not None:  # the interpreter's directories, and the work dir itself
         notes["exposed"] = _expose([*cfg["expose"], workdir])
     # Every other mount becomes read-only. MS_BIND makes this a per-mount flag of our private
@@ -220,11 +362,21 @@ def _init(cfg: dict[str, Any], notes: dict[str, Any], info_fd: int) -> int | Non
     Returns init's exit code; or None in the `user` child, which is then ready to run the program.
     """
     _call(_libc.prctl, PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if notes["mountns"]:
+        _files(cfg, notes)
+    for name in REQUIRED:
+        notes.setdefault(name, False)
+    missing = [name for name in REQUIRED if not notes[name]]
+    if missing and not cfg["allow_weak"]:
+        os.write(info_fd, (json.dumps({"refused": missing, "setup": notes}) + "\n").encode())
+        return SETUP_FAILED
     pid = os.fork()
     if pid == 0:
         try:
             _become_user(cfg, notes, info_fd)
         except BaseException:
+            import traceback
+
             traceback.print_exc()
             os._exit(SETUP_FAILED)
         return None
@@ -239,6 +391,12 @@ def _init(cfg: dict[str, Any], notes: dict[str, Any], info_fd: int) -> int | Non
     return 0
 
 
+def _fatal(info_fd: int) -> None:
+    import traceback
+
+    os.write(info_fd, (json.dumps({"fatal": traceback.format_exc()}) + "\n").encode())
+
+
 def main() -> int | None:
     """The launcher's exit code; None in the `user` process."""
     cfg = json.loads(sys.argv[1])
@@ -246,19 +404,19 @@ def main() -> int | None:
     notes: dict[str, Any] = {}
     try:
         if os.geteuid() == 0:
-            _isolate(cfg, notes)
+            _unshare(cfg, notes)
         else:
             notes.update(netns=False, pidns=False, mountns=False, reason="not root")
         notes["uid"] = cfg["uid"] is not None
     except BaseException:
-        os.write(info_fd, (json.dumps({"fatal": traceback.format_exc()}) + "\n").encode())
+        _fatal(info_fd)
         return SETUP_FAILED
     pid = os.fork()  # the first child of a new pid namespace is its pid 1
     if pid == 0:
         try:
             code = _init(cfg, notes, info_fd)
         except BaseException:
-            os.write(info_fd, (json.dumps({"fatal": traceback.format_exc()}) + "\n").encode())
+            _fatal(info_fd)
             code = SETUP_FAILED
         if code is None:
             return None  # the user process

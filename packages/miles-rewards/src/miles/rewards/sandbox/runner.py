@@ -34,6 +34,40 @@ class SandboxError(RuntimeError):
     """The sandbox itself failed (not the program in it): an internal error."""
 
 
+class SandboxUnavailable(SandboxError):
+    """Strong isolation is not available here, and `allow_weak` is off: nothing was run."""
+
+
+# The isolation steps that strong isolation needs (`_launcher.REQUIRED`), in words.
+_STEPS = {
+    "netns": "a network namespace",
+    "pidns": "a pid namespace",
+    "mountns": "a mount namespace",
+    "ipcns": "an IPC namespace",
+    "private_root": "a private root file system (pivot_root)",
+    "private_proc": "a /proc of its own",
+    "uid": "a uid of its own (root is needed to switch to it)",
+}
+
+
+def _refusal(missing: list[str], setup: dict[str, Any]) -> str:
+    why = []
+    for name in missing:
+        error = (
+            setup.get(f"{name}_error")
+            or setup.get("reason")
+            or "not attempted, as a step it needs failed"
+        )
+        why.append(f"{_STEPS.get(name, name)} ({error})")
+    return (
+        "the sandbox refuses to run untrusted code with weak isolation: it could not set up "
+        + "; ".join(why)
+        + ". Run as root where namespaces are allowed, or set `sandbox.allow_weak: true` in the "
+        "code reward's config (`Sandbox(allow_weak=True)`) to run it anyway, with the weaker "
+        "isolation that docs/sandbox.md describes."
+    )
+
+
 def _proc_ids(pid: str) -> tuple[int, int] | None:
     """(process group, real uid) of a live process, or None if it is gone or a zombie."""
     try:
@@ -190,9 +224,8 @@ def _read_info(fd: int) -> dict[str, Any]:
 
 
 def _isolation(setup: dict[str, Any], uid: int | None) -> tuple[str, ...]:
-    names = [
-        k for k in ("netns", "pidns", "mountns", "tmpfs_workdir", "readonly_fs") if setup.get(k)
-    ]
+    steps = ("netns", "pidns", "mountns", "ipcns", "private_root", "private_proc", "tmpfs_workdir")
+    names = [k for k in (*steps, "readonly_fs") if setup.get(k)]
     if not setup.get("netns"):
         names.append("socket_guard")
     if uid is not None:
@@ -209,8 +242,14 @@ class _Outcome:
 class Sandbox:
     """Runs untrusted Python programs, at most `max_concurrency` at a time.
 
-    Create it inside the event loop that uses it (its semaphore belongs to that loop).
+    Create it inside the event loop that uses it (its semaphore belongs to that loop). Where strong
+    isolation (namespaces, a private root, a uid of its own) cannot be set up, `run` raises
+    `SandboxUnavailable` unless `allow_weak`. `extra_paths`: more host paths to show the program,
+    read-only, at the same place (e.g. a library directory the interpreter needs).
     """
+
+    # Isolation steps to treat as refused by the system: a test's stand-in for such a system.
+    _unavailable: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -220,7 +259,11 @@ class Sandbox:
         uid_base: int = DEFAULT_UID_BASE,
         uid_count: int = DEFAULT_UID_COUNT,
         workdir_root: str | None = None,
+        allow_weak: bool = False,
+        extra_paths: tuple[str, ...] = (),
     ) -> None:
+        self.allow_weak = allow_weak
+        self.extra_paths = tuple(os.path.realpath(p) for p in extra_paths)
         self.max_concurrency = max_concurrency or os.cpu_count() or 1
         self.python = python
         self.workdir_root = workdir_root  # where work dirs are made; None: the system temp dir
@@ -273,6 +316,9 @@ class Sandbox:
             "max_open_files": limits.max_open_files,
             "nproc": nproc,
             "expose": self._interpreter_dirs(),
+            "extra_paths": self.extra_paths,
+            "allow_weak": self.allow_weak,
+            "unavailable": self._unavailable,
         }
 
     def _interpreter_dirs(self) -> list[str]:
@@ -349,6 +395,8 @@ class Sandbox:
                 with contextlib.suppress(OSError):
                     pipe.close()
         info = _read_info(info_r)
+        if "refused" in info:
+            raise SandboxUnavailable(_refusal(info["refused"], info.get("setup", {})))
         if "fatal" in info or (
             "end" not in info and not (outcome.timed_out or outcome.output_over)
         ):
