@@ -101,6 +101,7 @@ class ChaosEngineConfig(TorchEngineConfig):
     at_call: int = 2  # the generate call (in this process) that fails, after its first result
     marker: str = ""
     step_delay_s: float = 0.0  # a slow engine: this long per model step
+    kill_at_receive: int = 0  # the receive_weights call (in this process) that dies; 0: none
 
 
 def make_engine(config, setup):
@@ -123,6 +124,12 @@ def make_engine(config, setup):
         def _step(self, batch, pending):
             time.sleep(config.step_delay_s)
             return super()._step(batch, pending)
+
+        def receive_weights(self, plan, version):
+            ChaosEngine.receives = getattr(ChaosEngine, "receives", 0) + 1
+            if ChaosEngine.receives == config.kill_at_receive and _claim(config.marker):
+                _die()  # the trainer is broadcasting to it
+            return super().receive_weights(plan, version)
 
         def _failing(self, inner):
             yield next(inner)[:1]  # one request finishes, the others are mid-generation

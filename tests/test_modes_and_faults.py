@@ -153,6 +153,10 @@ def test_hung_engine_is_caught_by_the_timeout(tmp_path: Path, tiny_assets: dict[
     _assert_every_sample_once(run_dir, 3)
 
 
+def _fault_events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("fault") == kind]
+
+
 def test_killed_train_rank_restarts_from_the_checkpoint(
     tmp_path: Path, tiny_assets: dict[str, str]
 ) -> None:
@@ -163,16 +167,93 @@ def test_killed_train_rank_restarts_from_the_checkpoint(
         "kill-train",
         steps=4,
         train={"backend": "chaos_fsdp", "kill_at_train_step": 3, "marker": marker},
-        fault={"backoff_s": 0.1},
+        fault={"backoff_s": 0.1, "snapshot_every": 0},
         checkpoint={"every": 1},
     )
     assert Path(marker).exists()
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["fault/train_restarts"] for r in rows] == [0, 0, 1, 1]
-    events = (run_dir / "events.jsonl").read_text()
-    assert "train group restored" in events and "step_1" in events
+    [restored] = _fault_events(run_dir, "train_restarted")
+    assert restored["restored"] == "the checkpoint of step 1" and restored["steps_redone"] == 0
     _assert_every_sample_once(run_dir, 4)
+
+
+def test_a_train_restart_resumes_from_the_snapshot_and_redoes_the_steps_exactly(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    """Snapshots every 2 steps, no checkpoint: the train group dies in step 3's training, comes
+    back from step 1's snapshot, trains step 2 again on its batch, then step 3. Every metric
+    matches an unharmed run of the same seed: nothing was lost or trained twice."""
+    sections: dict[str, Any] = {
+        "steps": 5,
+        "fault": {"backoff_s": 0.1, "snapshot_every": 2},
+        "checkpoint": {"at_end": False},
+    }
+    whole = _run(tmp_path, tiny_assets, "whole", **sections)
+    marker = _chaos_marker(tmp_path)
+    train = {"backend": "chaos_fsdp", "kill_at_train_step": 4, "marker": marker}
+    run_dir = _run(tmp_path, tiny_assets, "killed", train=train, **sections)
+    assert Path(marker).exists()
+    [restored] = _fault_events(run_dir, "train_restarted")
+    assert restored["restored"] == "the snapshot of step 1" and restored["step"] == 3
+    assert restored["steps_redone"] == 1 and restored["lost_training"] is False
+    got, expected = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(whole / "metrics.jsonl")
+    assert got[-1]["fault/steps_redone"] == 1 and got[-1]["fault/train_restarts"] == 1
+    for want, have in zip(expected, got, strict=True):
+        for key in want:
+            if not key.startswith("fault/") and key in _comparable(want):
+                assert have[key] == pytest.approx(want[key], abs=1e-6, rel=0), (want["step"], key)
+    _assert_every_sample_once(run_dir, 5)
+
+
+@pytest.mark.parametrize("restart_from", ["latest", "base"])
+def test_with_nothing_to_restore_a_train_loss_fails_unless_base_is_allowed(
+    tmp_path: Path, tiny_assets: dict[str, str], restart_from: str
+) -> None:
+    cfg = write_config(
+        tmp_path / "cfg.yaml",
+        tiny_assets,
+        steps=4,
+        train={"backend": "chaos_fsdp", "kill_at_train_step": 3, "marker": _chaos_marker(tmp_path)},
+        fault={"backoff_s": 0.1, "snapshot_every": 0, "train_restart_from": restart_from},
+        checkpoint={"at_end": False},
+    )
+    run_dir = tmp_path / "run"
+    proc = run_miles("run", str(cfg), "--run-dir", str(run_dir))
+    if restart_from == "latest":
+        assert proc.returncode == 1
+        assert "its training cannot be restored" in proc.stderr
+        assert "fault.train_restart_from: base" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        [restored] = _fault_events(run_dir, "train_restarted")
+        assert restored["lost_training"] is True and restored["restored"] == "the base model"
+        assert "faults survived: 1 train restart" in proc.stderr
+
+
+def test_an_engine_killed_in_a_weight_sync_is_replaced_and_the_sync_redone(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    marker = _chaos_marker(tmp_path)
+    rollout = {"backend": "chaos_torch", "engines": 2, "kill_at_receive": 2, "marker": marker}
+    run_dir = _run(
+        tmp_path,
+        tiny_assets,
+        "kill-in-sync",
+        steps=3,
+        rollout=rollout,
+        fault={"backoff_s": 0.1},
+        checkpoint={"at_end": False},
+    )
+    assert Path(marker).exists()
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    # rollout.verify_weights (on): after each sync every engine's checksum is the trainer's.
+    assert [r["weights/version"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["fault/engine_restarts"] == 1
+    assert [e["engine"] for e in _fault_events(run_dir, "engine_restarted")] in ([0], [1])
+    _assert_every_sample_once(run_dir, 3)
 
 
 def test_past_the_restart_cap_the_run_fails_clearly(
@@ -310,9 +391,9 @@ def test_local_ray_refuses_clients_without_the_token(
 def test_async_samples_too_old_after_a_train_restart(
     tmp_path: Path, tiny_assets: dict[str, str], stale: str
 ) -> None:
-    """The train group dies at step 3 and goes back to the step-1 checkpoint, whose weights go
-    to the engines as a new version: the batch made ahead with the lost weights is now two
-    versions behind, so it is dropped, or generated again."""
+    """The train group dies at step 3 with nothing to restore, and (as allowed) goes back to
+    the base model, whose weights go to the engines as a new version: the batch made ahead
+    with the lost weights is now two versions behind, so it is dropped, or generated again."""
     marker = _chaos_marker(tmp_path)
     run_dir = _run(
         tmp_path,
@@ -323,8 +404,8 @@ def test_async_samples_too_old_after_a_train_restart(
         algorithm={"correction": "tis"},
         train={"backend": "chaos_fsdp", "kill_at_train_step": 4, "marker": marker},
         **{"async": {"max_staleness": 1, "stale": stale}},
-        fault={"backoff_s": 0.1},
-        checkpoint={"every": 2, "at_end": False},
+        fault={"backoff_s": 0.1, "snapshot_every": 0, "train_restart_from": "base"},
+        checkpoint={"at_end": False},
     )
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert len(rows) == 5 and rows[-1]["fault/train_restarts"] == 1
@@ -356,4 +437,24 @@ def test_an_engine_past_its_restart_cap_fails_the_run_clearly(
     assert proc.returncode == 1
     assert "rollout engine 0 failed" in proc.stderr
     assert "fault.max_engine_restarts=0" in proc.stderr
+    assert "no rollout engine is left" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_engine_past_its_restart_cap_is_dropped_and_the_run_goes_on(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    marker = _chaos_marker(tmp_path)
+    run_dir = _run(
+        tmp_path,
+        tiny_assets,
+        "drop",
+        steps=3,
+        rollout={"backend": "chaos_torch", "engines": 2, "fault": "kill", "marker": marker},
+        fault={"max_engine_restarts": 0},
+        checkpoint={"at_end": False},
+    )
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[-1]["fault/engines_dropped"] == 1 and rows[-1]["fault/engine_restarts"] == 0
+    assert len(_fault_events(run_dir, "engine_dropped")) == 1
+    _assert_every_sample_once(run_dir, 3)

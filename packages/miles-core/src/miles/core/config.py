@@ -236,10 +236,18 @@ class FaultConfig:
     health_check_s: float = 10.0  # how often each engine is asked for its health
     request_timeout_s: float = 300.0  # an engine silent this long inside generate is hung
     start_timeout_s: float = 600.0  # a (re)started engine must load its model within this
-    max_engine_restarts: int = 3  # per engine; past it the run fails
-    max_train_restarts: int = 2  # restarts of the train group from its latest checkpoint
+    max_engine_restarts: int = 3  # per engine; past it the engine is dropped (the last: fail)
+    max_train_restarts: int = 2  # restarts of the train group (from a snapshot or checkpoint)
     backoff_s: float = 1.0  # the first retry waits this long, each next one twice as long,
     backoff_max_s: float = 30.0  # up to this
+    # A host-memory copy of the train state every N steps, which a restarted train group
+    # resumes from (redoing the steps since). "auto": every step while a snapshot costs at most
+    # a quarter of a train step, else as often as that allows; 0: never (checkpoints only).
+    snapshot_every: int | Literal["auto"] = "auto"
+    snapshot_dir: str = ""  # "": /dev/shm (host memory); one the train ranks all see
+    # With no snapshot or checkpoint to resume from, a lost train group fails the run, unless
+    # "base": it starts again from model.path (its training so far is lost).
+    train_restart_from: Literal["latest", "base"] = "latest"
 
     def __post_init__(self) -> None:
         if min(self.health_check_s, self.request_timeout_s, self.start_timeout_s) <= 0:
@@ -248,6 +256,8 @@ class FaultConfig:
             )
         if min(self.max_engine_restarts, self.max_train_restarts) < 0:
             raise ValueError("fault.max_engine_restarts and max_train_restarts must be >= 0")
+        if self.snapshot_every != "auto" and self.snapshot_every < 0:
+            raise ValueError("fault.snapshot_every must be >= 0 or auto (0: no snapshots)")
 
 
 @dataclass

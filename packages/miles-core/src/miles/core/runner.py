@@ -179,7 +179,29 @@ def run_from_cli(request: RunRequest) -> int:
     click.echo(f"run finished: {run_dir}", err=True)
     for key, value in sorted(summary.items()):
         click.echo(f"  {key}: {value}", err=True)
+    click.echo(f"  {faults_survived(result.final_metrics)}", err=True)
     return 0
+
+
+# (metric, what one of it is called) of the faults a run survives
+_FAULTS = (
+    ("fault/engine_restarts", "engine restart"),
+    ("fault/engines_dropped", "engine dropped"),
+    ("fault/train_restarts", "train restart"),
+)
+
+
+def faults_survived(metrics: dict[str, float]) -> str:
+    """One line for the final summary: how many faults the run survived, of which kinds."""
+    parts = []
+    for key, name in _FAULTS:
+        n = int(metrics.get(key, 0))
+        if n:
+            parts.append(f"{n} {name}" + ("s" if n > 1 and name.endswith("restart") else ""))
+    redone = int(metrics.get("fault/steps_redone", 0))
+    if redone:
+        parts.append(f"{redone} step{'s' if redone > 1 else ''} redone")
+    return "faults survived: " + (", ".join(parts) if parts else "none")
 
 
 def _shutdown_ray() -> None:

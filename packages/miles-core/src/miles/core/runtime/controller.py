@@ -6,9 +6,10 @@ One loop serves every mode: take batch s from the buffer, train on it, send the 
 differs between sync, one_step_off and async is the buffer policy the rollout manager applies
 (how far ahead rollout may run, and how old a sample may be); see `buffer.BufferPolicy`.
 
-Faults: the engine group restarts engines itself. A train rank that dies makes the controller
-restart the whole train group from the latest valid checkpoint and train the failed step again
-(its batch is still in the object store). Restarts back off and are capped (`fault`).
+Faults: the engine group restarts engines itself (and a weight sync that lost one is redone). A
+train rank that dies makes the controller restart the whole train group from the newest snapshot
+or checkpoint, redo the steps since from the batches it kept, and train the failed step again
+(see `snapshots`). Restarts back off and are capped (`fault`).
 
 The controller holds no model and imports no torch. Batches go to the train ranks once, through
 Ray's object store; weights go from the train ranks to the engines.
@@ -17,6 +18,7 @@ Ray's object store; weights go from the train ranks to the engines.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -36,7 +38,13 @@ from miles.core.runtime import checkpoints
 from miles.core.runtime.metric_log import MetricLog
 from miles.core.runtime.placement import Placement, start_ray
 from miles.core.runtime.progress import Progress
-from miles.core.runtime.train_group import TrainerDied, TrainGroup, retrying
+from miles.core.runtime.snapshots import RestorePoint, Snapshots
+from miles.core.runtime.train_group import (
+    TrainerDied,
+    TrainGroup,
+    TrainGroupFailedError,
+    retrying,
+)
 from miles.core.runtime.weight_updates import WeightUpdater
 from miles.core.telemetry import carrier, span
 from miles.core.types import RunInfo
@@ -81,6 +89,11 @@ class Controller:
                 _drop_rows_after(run_dir / name, self.resume_from[0])
         self.metrics = MetricLog(config.telemetry, run_dir)
         self.colocated = config.placement == "colocated"
+        self.snapshots = Snapshots(config.fault, self.info.run_id, run_dir)
+        self.step = -1  # the step under way (-1: before RL step 0)
+        self.done_through = -1  # the last step trained, synced and snapshotted
+        self.warmed = False  # the warm-start trained the policy
+        self.steps_redone = 0
 
     # ── set-up ───────────────────────────────────────────────────────────────────────────────────
 
@@ -128,14 +141,55 @@ class Controller:
         return metrics
 
     def _recover_trainers(self, error: TrainerDied) -> None:
-        """A new train group from the latest valid checkpoint; if it rolled back past what the
-        engines hold, the restored weights go out as a new version, so samples made from the
-        lost updates count as stale."""
-        restored = self.trainers.restart(error, self.run_dir)
+        """A new train group from the newest snapshot or checkpoint, brought forward to where
+        the old one was by training the kept batches again. With nothing to restore, the run
+        fails, unless `fault.train_restart_from: base` accepts going back to model.path; then
+        the base weights go out as a new version, so samples made from the lost updates count
+        as stale."""
+        nothing_trained = self.done_through < 0 and not self.warmed
+        point = self.snapshots.restore_point(nothing_trained)
+        missing = [] if point is None else self._missing_batches(point)
+        rewind = point is None or bool(missing)
+        if rewind and self.config.fault.train_restart_from != "base":
+            where = "no snapshot or checkpoint" if point is None else point.describe()
+            raise TrainGroupFailedError(
+                f"a train rank died at step {self.step}, and its training cannot be restored: "
+                f"{where} to resume from"
+                + (f" with the batches of steps {missing}" if missing else "")
+                + ". Keep snapshots on (fault.snapshot_every), checkpoint more often "
+                "(checkpoint.every), or set fault.train_restart_from: base to start again from "
+                f"model.path; last error: {error}"
+            ) from error.cause
+        if rewind:
+            point = RestorePoint(-1, None, "base")
+        assert point is not None
+        self.trainers.restart(error, point.path)
         self.weights.make_plan()
         ray.get(self.engines.reset_sync_group.remote())  # its rank 0 is gone
-        if restored < self.weights.synced_through:
-            self._sync_after_train(restored)
+        redone = 0 if rewind else self._redo(point.step + 1, self.done_through)
+        self.steps_redone += redone
+        log.warning(
+            "train group restored",
+            fault="train_restarted",
+            step=self.step,
+            restored=point.describe(),
+            steps_redone=redone,
+            lost_training=rewind,
+        )
+        if rewind:
+            self._sync_after_train(point.step)
+
+    def _missing_batches(self, point: RestorePoint) -> list[int]:
+        steps = range(point.step + 1, self.done_through + 1)
+        return [s for s in steps if s not in self.snapshots.batches]
+
+    def _redo(self, first: int, last: int) -> int:
+        """Trains steps first..last again on their kept batches; how many."""
+        for step in range(first, last + 1):
+            batch = self.snapshots.batches[step]
+            if batch is not None:  # None: that step had nothing to train
+                self.trainers.call("train", batch, step, carrier())
+        return max(0, last - first + 1)
 
     def _retrying(self, what: str, fn: Any) -> Any:
         return retrying(what, fn, self._recover_trainers)
@@ -154,17 +208,38 @@ class Controller:
     # ── stages ───────────────────────────────────────────────────────────────────────────────────
 
     def warmstart(self) -> None:
-        """The optional SFT stage, through the same train backend."""
+        """The optional SFT stage, through the same train backend. A train group lost in it
+        starts again from model.path and redoes the steps so far on the same batches."""
         ws = self.config.warmstart
         if not ws.steps:
             return
         log.info("warm-start (SFT)", steps=ws.steps, batch_size=ws.batch_size)
-        for i in range(ws.steps):
+        batches: list[Any] = []
+
+        def step(i: int) -> dict[str, float]:
             with span("miles.warmstart", step=i):
-                batch = ray.get(self.rollout.sft_batch.remote(ws.batch_size))
-                metrics = self.trainers.call("warmstart_step", ray.put(batch), i, carrier())
+                return dict(self.trainers.call("warmstart_step", batches[i], i, carrier()))
+
+        def recover(error: TrainerDied) -> None:
+            self.trainers.restart(error, None)
+            for j in range(len(batches) - 1):
+                step(j)
+            self.steps_redone += len(batches) - 1
+            log.warning(
+                "train group restored",
+                fault="train_restarted",
+                step=-1,
+                restored="the base model (warm-start)",
+                steps_redone=len(batches) - 1,
+                lost_training=False,
+            )
+
+        for i in range(ws.steps):
+            batches.append(self.rollout.sft_batch.remote(ws.batch_size))
+            metrics = retrying(f"warm-start step {i}", functools.partial(step, i), recover)
             if i == 0 or (i + 1) % 10 == 0 or i + 1 == ws.steps:
                 log.info("warm-start step", step=i + 1, loss=round(metrics["train/loss"], 4))
+        self.warmed = True
 
     def evaluate(self, step: int) -> dict[str, float]:
         if not self.config.eval.data:
@@ -183,6 +258,7 @@ class Controller:
             self.engines,
             self.config.checkpoint,
         )
+        self.snapshots.checkpointed(step)
         self.plugins.call_lifecycle(
             "miles_after_checkpoint", run=self.info, step=step, path=str(path)
         )
@@ -192,6 +268,7 @@ class Controller:
         assert self.resume_from is not None
         step, path = self.resume_from
         state = checkpoints.restore(path, self.trainers, self.rollout, self.engines)
+        self.done_through = step
         self.weights.version = int(state["weight_version"]) - 1
         self._sync_after_train(step)  # engines hold the base model: bring them to the checkpoint
         log.info("resumed", checkpoint=str(path), next_step=step + 1)
@@ -207,7 +284,10 @@ class Controller:
         if cfg.rollout.verify_weights and not (self.colocated or quantized):
             self.weights.verify()  # both sides loaded model.path: they must agree
         self.warmstart()
-        self._sync_after_train(-1, new_version=bool(cfg.warmstart.steps) or quantized)
+        if self.warmed and self.snapshots.enabled:  # a train group lost from here keeps it
+            self._retrying("snapshot", lambda: self.snapshots.take(self.trainers, -1))
+        new_version = bool(cfg.warmstart.steps) or quantized
+        self._retrying("weight sync", lambda: self._sync_after_train(-1, new_version=new_version))
 
     # ── the loop ─────────────────────────────────────────────────────────────────────────────────
 
@@ -227,7 +307,7 @@ class Controller:
                 for step in range(start, cfg.steps):
                     final = self.one_step(step)
                     progress.update(final)
-                    if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+                    if self._checkpoint_due(step):
                         self._retrying("checkpoint", lambda s=step: self.checkpoint(s))
                 progress.close()
                 if (
@@ -253,11 +333,17 @@ class Controller:
                 "miles_on_run_end", run=self.info, status=status, error=error
             )
             self.metrics.close()
+            self.snapshots.close()
             if ray.is_initialized():
                 self._flush_actor_traces()
 
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.config.checkpoint.every
+        return bool(every) and (step + 1) % every == 0
+
     def one_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        self.step = step
         with span("miles.step", step=step, run_id=self.info.run_id):
             # The batch goes from the rollout manager to the train ranks through the object store;
             # the controller only reads the small metrics dict.
@@ -283,10 +369,15 @@ class Controller:
                     ray.get(self.rollout.close.remote())
                     ray.get(self.engines.release_memory.remote())
                     self.trainers.call("wake")
-                if metrics["rollout/kept_samples"]:
+                trains = bool(metrics["rollout/kept_samples"])
+                if trains:
                     metrics.update(self.trainers.call("train", batch_ref, step, carrier()))
                 metrics["perf/train_s"] = time.perf_counter() - t1
+                self.snapshots.trained(step, batch_ref if trains else None, metrics["perf/train_s"])
                 metrics.update(self._sync_after_train(step))
+                if self.snapshots.due() and not self._checkpoint_due(step):
+                    metrics.update(self.snapshots.take(self.trainers, step))
+                self.done_through = step
 
             self._retrying(f"step {step}", train_and_sync)
             self.plugins.call_lifecycle(
@@ -298,6 +389,7 @@ class Controller:
         metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / metrics["perf/step_s"]
         metrics["perf/trainer_idle_frac"] = 1.0 - metrics["perf/train_s"] / metrics["perf/step_s"]
         metrics["fault/train_restarts"] = float(self.trainers.restarts)
+        metrics["fault/steps_redone"] = float(self.steps_redone)
         self.metrics.log(step, metrics)
         return metrics
 

@@ -1,7 +1,8 @@
 """The train group: every rank of the train backend, called together, restarted together.
 
-A rank that dies makes the whole group restart (a new rendezvous) from the latest valid
-checkpoint, with capped, doubling back-off (`fault.max_train_restarts`, `fault.backoff_s`).
+A rank that dies makes the whole group restart (a new rendezvous), with capped, doubling back-off
+(`fault.max_train_restarts`, `fault.backoff_s`); the controller says what state it loads (a
+snapshot or a checkpoint, see `snapshots`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import structlog
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from miles.core.config import FaultConfig
-from miles.core.rundir import latest_valid_checkpoint
 from miles.core.runtime.placement import TrainLauncher
 
 log = structlog.get_logger(__name__)
@@ -46,9 +46,9 @@ class TrainGroup:
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
             raise TrainerDied(exc) from exc
 
-    def restart(self, error: TrainerDied, run_dir: Path) -> int:
-        """Replaces every rank and loads the latest valid checkpoint into the new group; returns
-        the step it holds (-1: none yet, the group starts from model.path)."""
+    def restart(self, error: TrainerDied, state: Path | None) -> None:
+        """Replaces every rank, and loads the train `state` (None: model.path) into the new
+        group."""
         if self.restarts >= self.fault.max_train_restarts:
             raise TrainGroupFailedError(
                 f"a train rank died and the train group was already restarted "
@@ -68,13 +68,8 @@ class TrainGroup:
                 ray.kill(trainer, no_restart=True)
         time.sleep(delay)
         self.trainers = self.launcher.launch()
-        found = latest_valid_checkpoint(run_dir)
-        if found is None:
-            log.warning("no checkpoint yet: the new train group starts from model.path")
-            return -1
-        self.call("load", str(found[1] / "train"))
-        log.info("train group restored", checkpoint=str(found[1]))
-        return found[0]
+        if state is not None:
+            self.call("load", str(state))
 
     def flush(self) -> list[Any]:
         return [t.flush.remote() for t in self.trainers]

@@ -1,0 +1,92 @@
+"""Chaos: the quickstart, with engines and trainers killed (`kill -9`) at seeded random moments
+in every phase of the step, in sync and async mode. The run must finish, account for every
+sample exactly once, and learn as well as an unharmed run of the same seed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from .chaos import ChaosMonkey
+from .conftest import MILES, TEST_MODULES, read_jsonl
+
+# The learning outcome may differ from the unharmed run's by this much (held-out reward over
+# 256 prompts): restarted engines draw other samples than the lost ones would have.
+MARGIN = 0.05
+# Each run: two engine and three trainer deaths, one in each phase (plus one more in training).
+PHASES = ["rollout", "train", "sync", "checkpoint", "reward", "train"]
+SETTINGS = [
+    "telemetry.progress=false",
+    "checkpoint.every=5",
+    "fault.backoff_s=0.1",
+    "fault.max_engine_restarts=8",
+    "fault.max_train_restarts=8",
+]
+MODES = {"sync": [], "async": ["mode=async", "async.max_staleness=1"]}
+
+
+def _quickstart(run_dir: Path, mode: str, monkey_seed: int | None) -> ChaosMonkey | None:
+    args = [a for s in [*SETTINGS, *MODES[mode]] for a in ("--set", s)]
+    env = {**os.environ, "CI": "1", "PYTHONPATH": str(TEST_MODULES)}
+    with open(run_dir.with_suffix(".stderr"), "w") as stderr:
+        proc = subprocess.Popen(
+            [*MILES, "run", "quickstart", "--run-dir", str(run_dir), *args],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,  # the monkey kills only this run's processes
+        )
+        monkey = None
+        if monkey_seed is not None:
+            monkey = ChaosMonkey(proc.pid, PHASES, seed=monkey_seed, pause_s=(2.0, 5.0)).start()
+        try:
+            returncode = proc.wait(timeout=900)
+        finally:
+            if monkey is not None:
+                monkey.stop()
+    assert returncode == 0, run_dir.with_suffix(".stderr").read_text()[-4000:]
+    return monkey
+
+
+def _final_eval(run_dir: Path) -> float:
+    return float(read_jsonl(run_dir / "metrics.jsonl")[-1]["eval/reward_mean"])
+
+
+def _assert_every_sample_once(run_dir: Path) -> None:
+    ledger = read_jsonl(run_dir / "samples.jsonl")
+    ids = [row["sample_id"] for row in ledger]
+    assert len(ids) == len(set(ids)), "a sample id was recorded twice"
+    assert sorted(ids) == list(range(len(ids))), "a sample id is missing"
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    trained = sum(row["fate"] == "trained" for row in ledger)
+    rollout = config["rollout"]
+    assert trained <= config["steps"] * rollout["prompts_per_step"] * rollout["samples_per_prompt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_runs_survive_kills_in_every_phase_and_learn_as_unharmed(
+    tmp_path: Path, mode: str
+) -> None:
+    _quickstart(tmp_path / "unharmed", mode, monkey_seed=None)
+    monkey = _quickstart(tmp_path / "chaos", mode, monkey_seed=7)
+    assert monkey is not None
+    print(f"{mode}: kills {[(k.phase, k.victim) for k in monkey.kills]}, skipped {monkey.skipped}")
+    victims = [k.victim for k in monkey.kills]
+    engines = sum(v.startswith("ray::EngineActor") for v in victims)
+    trainers = sum(v.startswith("ray::TrainActor") for v in victims)
+    assert engines >= 1 and trainers >= 2 and len(monkey.kills) >= 4, monkey
+    run_dir = tmp_path / "chaos"
+    final: dict[str, Any] = read_jsonl(run_dir / "metrics.jsonl")[-1]
+    assert final["fault/train_restarts"] >= trainers
+    assert final["fault/engine_restarts"] >= engines
+    assert "faults survived:" in run_dir.with_suffix(".stderr").read_text()
+    _assert_every_sample_once(run_dir)
+    unharmed, harmed = _final_eval(tmp_path / "unharmed"), _final_eval(run_dir)
+    assert unharmed >= 0.8  # the baseline learned (else the comparison says nothing)
+    assert abs(harmed - unharmed) <= MARGIN, (harmed, unharmed)
