@@ -70,9 +70,7 @@ def _assert_every_sample_once(run_dir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_runs_survive_kills_in_every_phase_and_learn_as_unharmed(
-    tmp_path: Path, mode: str
-) -> None:
+def test_runs_survive_kills_in_every_phase_and_learn_as_unharmed(tmp_path: Path, mode: str) -> None:
     _quickstart(tmp_path / "unharmed", mode, monkey_seed=None)
     monkey = _quickstart(tmp_path / "chaos", mode, monkey_seed=7)
     assert monkey is not None
