@@ -1,10 +1,12 @@
-"""The quickstart's mean `perf/step_s`, side by side for several checkouts in one sitting.
+"""The quickstart's mean `perf/step_s`, side by side for several checkouts (or settings) in one
+sitting.
 
     python tools/bench/quickstart_step_time.py --runs 6 . /path/to/other/checkout
+    python tools/bench/quickstart_step_time.py --runs 6 . --variant fault.snapshot_every=0
 
-Each checkout runs `miles run quickstart` with its own `.venv` (made by its `tools/setup.sh`);
-runs alternate between checkouts, so a machine that slows down or speeds up during the sitting
-weighs on all of them alike. Per run: the mean of `perf/step_s` over the 30 RL steps, the means
+Each checkout runs `miles run quickstart` with its own `.venv` (made by its `tools/setup.sh`),
+once as it is and once per `--variant` (settings for `--set`, comma-separated); runs alternate
+between them, so a machine that slows down or speeds up during the sitting weighs on all alike. Per run: the mean of `perf/step_s` over the 30 RL steps, the means
 of its parts from steps 2 on, and `eval/reward_mean`; then a summary per checkout.
 """
 
@@ -20,14 +22,11 @@ from pathlib import Path
 PARTS = ("perf/rollout_s", "perf/train_s", "perf/sync_s")
 
 
-def one_run(checkout: Path, run_dir: Path) -> dict[str, float]:
+def one_run(checkout: Path, settings: list[str], run_dir: Path) -> dict[str, float]:
     miles = checkout / ".venv/bin/miles"
+    sets = [a for s in ["telemetry.progress=false", *settings] for a in ("--set", s)]
     subprocess.run(
-        [
-            *(str(miles), "run", "quickstart", "--run-dir", str(run_dir)),
-            "--set",
-            "telemetry.progress=false",
-        ],
+        [str(miles), "run", "quickstart", "--run-dir", str(run_dir), *sets],
         cwd=checkout,
         check=True,
         capture_output=True,
@@ -44,20 +43,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkouts", nargs="+", type=Path)
     parser.add_argument("--runs", type=int, default=6)
+    parser.add_argument("--variant", action="append", default=[], help="KEY=VALUE[,KEY=VALUE]")
     args = parser.parse_args()
-    results: dict[Path, list[dict[str, float]]] = {c.resolve(): [] for c in args.checkouts}
+    variants = [[], *(v.split(",") for v in args.variant)]
+    results: dict[tuple[Path, str], list[dict[str, float]]] = {
+        (c.resolve(), ",".join(v)): [] for c in args.checkouts for v in variants
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
-            for checkout in results:
-                run = one_run(checkout, Path(tmp) / f"{i}-{len(results[checkout])}-{checkout.name}")
-                results[checkout].append(run)
+            for (checkout, variant), runs in results.items():
+                run_dir = Path(tmp) / f"{i}-{len(runs)}-{checkout.name}-{len(variant)}"
+                run = one_run(checkout, variant.split(",") if variant else [], run_dir)
+                runs.append(run)
                 parts = " ".join(f"{p.split('/')[1]} {run[p]:.4f}" for p in PARTS)
-                print(f"{checkout}  step_s {run['step_s']:.4f}  {parts}  eval {run['eval']:.4f}")
-    for checkout, runs in results.items():
+                label = f"{checkout} {variant}".strip()
+                print(f"{label}  step_s {run['step_s']:.4f}  {parts}  eval {run['eval']:.4f}")
+    for (checkout, variant), runs in results.items():
         steps = [r["step_s"] for r in runs]
         print(
-            f"{checkout}: {len(runs)} runs, mean perf/step_s {statistics.mean(steps):.3f} "
-            f"(min {min(steps):.3f}, max {max(steps):.3f})"
+            f"{checkout} {variant or '(as is)'}: {len(runs)} runs, mean perf/step_s "
+            f"{statistics.mean(steps):.3f} (min {min(steps):.3f}, max {max(steps):.3f})"
         )
 
 

@@ -90,6 +90,8 @@ class EnginePool:
         slot = self.slots[index]
         if slot.state in ("down", "dropped") or slot.generation != generation:
             return
+        # Ray's actor-death text runs to a dozen lines: its first says what happened.
+        reason = reason.strip().splitlines()[0][:300] if reason.strip() else reason
         slot.state, slot.last_error = "down", reason
         log.warning(
             "engine failed; restarting it", fault="engine_failed", engine=slot.index, reason=reason
