@@ -4,8 +4,11 @@ sample exactly once, and learn as well as an unharmed run of the same seed."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +30,13 @@ SETTINGS = [
     "fault.max_engine_restarts=8",
     "fault.max_train_restarts=8",
 ]
+SEED = 7  # the monkey's
 MODES = {"sync": [], "async": ["mode=async", "async.max_staleness=1", "algorithm.correction=tis"]}
 
 
-def _quickstart(run_dir: Path, mode: str, monkey_seed: int | None) -> ChaosMonkey | None:
+def _quickstart(run_dir: Path, mode: str, harmed: bool) -> Path:
+    """Runs the quickstart; with `harmed`, a chaos monkey kills processes while it runs, and
+    what it killed goes to RUN_DIR.kills.json."""
     args = [a for s in [*SETTINGS, *MODES[mode]] for a in ("--set", s)]
     env = {**os.environ, "CI": "1", "PYTHONPATH": str(TEST_MODULES)}
     with open(run_dir.with_suffix(".stderr"), "w") as stderr:
@@ -42,15 +48,20 @@ def _quickstart(run_dir: Path, mode: str, monkey_seed: int | None) -> ChaosMonke
             start_new_session=True,  # the monkey kills only this run's processes
         )
         monkey = None
-        if monkey_seed is not None:
-            monkey = ChaosMonkey(proc.pid, PHASES, seed=monkey_seed, pause_s=(2.0, 5.0)).start()
+        if harmed:
+            monkey = ChaosMonkey(
+                proc.pid, PHASES, seed=SEED, pause_s=(2.0, 5.0), patience_s=240
+            ).start()
         try:
             returncode = proc.wait(timeout=900)
         finally:
             if monkey is not None:
                 monkey.stop()
     assert returncode == 0, run_dir.with_suffix(".stderr").read_text()[-4000:]
-    return monkey
+    if monkey is not None:
+        kills = {"kills": [dataclasses.asdict(k) for k in monkey.kills], "skipped": monkey.skipped}
+        run_dir.with_suffix(".kills.json").write_text(json.dumps(kills))
+    return run_dir
 
 
 def _final_eval(run_dir: Path) -> float:
@@ -68,24 +79,39 @@ def _assert_every_sample_once(run_dir: Path) -> None:
     assert trained <= config["steps"] * rollout["prompts_per_step"] * rollout["samples_per_prompt"]
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], Path]:
+    """(mode, harmed) -> run dir: the four runs, two at a time. A run mostly waits on process
+    start-up and restarts, so two share the 2-core CI machine well; each has its own Ray, and
+    each monkey kills only its own run's processes."""
+    root = tmp_path_factory.mktemp("chaos")
+    keys = [(mode, harmed) for mode in MODES for harmed in (True, False)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = {k: pool.submit(_quickstart, root / f"{k[0]}-{k[1]}", *k) for k in keys}
+        return {k: job.result() for k, job in jobs.items()}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_runs_survive_kills_in_every_phase_and_learn_as_unharmed(tmp_path: Path, mode: str) -> None:
-    _quickstart(tmp_path / "unharmed", mode, monkey_seed=None)
-    monkey = _quickstart(tmp_path / "chaos", mode, monkey_seed=7)
-    assert monkey is not None
-    print(f"{mode}: kills {[(k.phase, k.victim) for k in monkey.kills]}, skipped {monkey.skipped}")
-    victims = [k.victim for k in monkey.kills]
+@pytest.mark.parametrize("mode", list(MODES))
+def test_runs_survive_kills_in_every_phase_and_learn_as_unharmed(
+    runs: dict[tuple[str, bool], Path], mode: str
+) -> None:
+    run_dir = runs[mode, True]
+    kills = json.loads(run_dir.with_suffix(".kills.json").read_text())
+    print(
+        f"{mode}: kills {[(k['phase'], k['victim']) for k in kills['kills']]}, "
+        f"skipped {kills['skipped']}"
+    )
+    victims = [k["victim"] for k in kills["kills"]]
     engines = sum(v.startswith("ray::EngineActor") for v in victims)
     trainers = sum(v.startswith("ray::TrainActor") for v in victims)
-    assert engines >= 1 and trainers >= 2 and len(monkey.kills) >= 4, monkey
-    run_dir = tmp_path / "chaos"
+    assert engines >= 1 and trainers >= 2 and len(victims) >= 4, kills
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "fault/train_restarts" in r]
     final: dict[str, Any] = steps[-1]
     assert final["fault/train_restarts"] >= trainers
     assert final["fault/engine_restarts"] >= engines
     assert "faults survived:" in run_dir.with_suffix(".stderr").read_text()
     _assert_every_sample_once(run_dir)
-    unharmed, harmed = _final_eval(tmp_path / "unharmed"), _final_eval(run_dir)
+    unharmed, harmed = _final_eval(runs[mode, False]), _final_eval(run_dir)
     assert unharmed >= 0.8  # the baseline learned (else the comparison says nothing)
     assert abs(harmed - unharmed) <= MARGIN, (harmed, unharmed)
