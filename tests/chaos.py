@@ -24,7 +24,11 @@ PHASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "train": ("TrainActor", ("ray::TrainActor.train",)),
     "sync": (
         "EngineActor",
-        ("ray::EngineActor.receive_weights", "ray::TrainActor.send_weights"),
+        (
+            "ray::EngineActor.receive_weights",
+            "ray::EngineActor.load_bucket",  # colocated: buckets handed over in place
+            "ray::TrainActor.send_weights",
+        ),
     ),
     "checkpoint": ("TrainActor", ("ray::TrainActor.save",)),
 }
