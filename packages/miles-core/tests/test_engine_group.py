@@ -207,6 +207,18 @@ def test_a_broken_sync_is_torn_down_and_waits_for_the_dead_engine(group: Any) ->
     asyncio.run(main())
 
 
+def test_an_engine_that_dies_in_an_engine_wide_call_is_restarted_not_fatal(group: Any) -> None:
+    async def main() -> None:
+        g, engines, sub = group()
+        await g.connect(FakeHandle(sub))
+        engines[0].get_rng_state = lambda: (_ for _ in ()).throw(RuntimeError("ActorDiedError"))  # type: ignore[attr-defined]
+        engines[1].get_rng_state = lambda: "rng1"  # type: ignore[attr-defined]
+        assert await g.rng_states() == ["", "rng1"]  # engine 0 keeps its own seed on resume
+        assert g.pool.slots[0].state == "down"
+
+    asyncio.run(main())
+
+
 def test_every_engine_restarted_needs_a_resend(group: Any) -> None:
     async def main() -> None:
         g, _, sub = group(1)

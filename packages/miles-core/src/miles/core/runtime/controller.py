@@ -45,7 +45,7 @@ from miles.core.runtime.train_group import (
     TrainGroupFailedError,
     retrying,
 )
-from miles.core.runtime.weight_updates import WeightUpdater
+from miles.core.runtime.weight_updates import WeightSyncError, WeightUpdater
 from miles.core.telemetry import carrier, span
 from miles.core.types import RunInfo
 
@@ -282,7 +282,12 @@ class Controller:
         precision = self.plugins.get(Kind.PRECISION, cfg.precision.name).spec
         quantized = precision.has(Capability.QUANTIZED)
         if cfg.rollout.verify_weights and not (self.colocated or quantized):
-            self.weights.verify()  # both sides loaded model.path: they must agree
+            try:
+                self.weights.verify()  # both sides loaded model.path: they must agree
+            except WeightSyncError:
+                raise
+            except Exception as exc:  # an engine died: its replacement is synced when back
+                log.warning("engines not verified at start", error=repr(exc)[:300])
         self.warmstart()
         if self.warmed and self.snapshots.enabled:  # a train group lost from here keeps it
             self._retrying("snapshot", lambda: self.snapshots.take(self.trainers, -1))

@@ -171,10 +171,23 @@ class EngineGroup:
 
     async def release_memory(self) -> None:
         """Colocated: the trainer is about to use the GPUs."""
-        await asyncio.gather(*(s.handle.release_memory.remote() for s in self.pool.alive()))
+        await self._each("release_memory")
 
     async def resume_memory(self) -> None:
-        await asyncio.gather(*(s.handle.resume_memory.remote() for s in self.pool.alive()))
+        await self._each("resume_memory")
+
+    async def _each(self, method: str, *args: Any) -> list[Any]:
+        """Calls `method` on every alive engine; one that fails is reported to the pool (which
+        restarts it) and answers None, instead of failing the run."""
+
+        async def one(slot: EngineSlot) -> Any:
+            try:
+                return await getattr(slot.handle, method).remote(*args)
+            except Exception as exc:
+                self.pool.fail(slot.index, slot.generation, f"{method} failed: {exc!r}")
+                return None
+
+        return list(await asyncio.gather(*(one(s) for s in self.pool.alive())))
 
     async def weights(self) -> list[tuple[str, int]]:
         """(checksum, weight version) of every alive engine, to verify a sync."""
@@ -189,16 +202,11 @@ class EngineGroup:
         return str(health["dtype"])
 
     async def rng_states(self) -> list[str]:
-        """Each slot's engine RNG state ("" for a dropped engine)."""
-        alive = {s.index for s in self.pool.alive()}
-        return list(
-            await asyncio.gather(
-                *(
-                    _await(s.handle.get_rng_state.remote()) if s.index in alive else _empty()
-                    for s in self.pool.slots
-                )
-            )
-        )
+        """Each slot's engine RNG state ("" for an engine that is down or dropped: it keeps its
+        own seed on resume)."""
+        alive = [s.index for s in self.pool.alive()]
+        states = dict(zip(alive, await self._each("get_rng_state"), strict=True))
+        return [states.get(s.index) or "" for s in self.pool.slots]
 
     async def set_rng_states(self, states: list[str]) -> None:
         if not states:
@@ -235,10 +243,6 @@ async def _await(ref: Any) -> Any:
 
 async def _done() -> None:
     return None
-
-
-async def _empty() -> str:
-    return ""
 
 
 async def _quietly(ref: Any) -> None:

@@ -59,9 +59,11 @@ class WeightUpdater:
             for attempt in range(tries):
                 try:
                     sent = self._sync_once(version, finish_batches=new_version)
+                    if self.config.rollout.verify_weights:
+                        self.verify(version)  # an engine may die here too: then redo it all
                     break
-                except TrainerDied:
-                    raise
+                except (TrainerDied, WeightSyncError):
+                    raise  # a lost trainer is the controller's; wrong weights are a bug
                 except Exception as exc:
                     log.warning("weight sync failed; redoing it", attempt=attempt, error=repr(exc))
                     self._tear_down()
@@ -70,8 +72,6 @@ class WeightUpdater:
                     f"weight sync to version {version} failed {tries} times; see events.jsonl"
                 )
             self.version, self.synced_through = version, synced_through
-            if self.config.rollout.verify_weights:
-                self.verify()
             # Together: batches the new version lets start queue until the engines resume.
             ray.get(
                 [
@@ -112,8 +112,10 @@ class WeightUpdater:
         ray.get(receive)
         return int(sent)
 
-    def verify(self) -> None:
-        """Engines must hold exactly the trainer's weights, at the current version."""
+    def verify(self, version: int | None = None) -> None:
+        """Engines must hold exactly the trainer's weights, at `version` (default: the current
+        one)."""
+        version = self.version if version is None else version
         if self._engine_dtype is None:
             self._engine_dtype = str(ray.get(self.engines.weights_dtype.remote()))
         engines = self.engines.weights.remote()
@@ -121,9 +123,9 @@ class WeightUpdater:
         states = ray.get(engines)
         checksums, versions = [c for c, _ in states], [v for _, v in states]
         bad = [i for i, c in enumerate(checksums) if c != expected]
-        if bad or any(v != self.version for v in versions):
+        if bad or any(v != version for v in versions):
             raise WeightSyncError(
-                f"weight sync verification failed at version {self.version}: engines {bad} hold "
+                f"weight sync verification failed at version {version}: engines {bad} hold "
                 f"other weights (versions {versions}); the trainer's checksum is "
                 f"{expected[:16]}"
             )
