@@ -92,7 +92,20 @@ def test_run_refuses_a_layout_that_does_not_fit_before_launch(tmp_path: Path) ->
     assert proc.returncode == 2
     assert "does not fit in GPU memory" in proc.stderr
     assert "optimizer state" in proc.stderr and "KV cache" in proc.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing started
+    # Refused after the recipe built its model (the plan needs it): nothing is left behind.
+    assert not (tmp_path / "run").exists()
+
+
+def test_set_reaches_the_option_of_a_component_given_by_name() -> None:
+    # docs/precision.md: the quickstart names its precision by a bare name (its default, fp32).
+    proc = run_miles(
+        "recipes",
+        "show",
+        "quickstart",
+        *("--set", "precision=int4-qat", "--set", "precision.group_size=32"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["precision"]["group_size"] == 32
 
 
 def test_frontier_recipe_says_which_backend_to_install(tmp_path: Path) -> None:

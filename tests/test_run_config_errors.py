@@ -50,6 +50,31 @@ def test_bad_config_is_rejected_before_workers(
     assert not (tmp_path / "run").exists()  # nothing was started or written
 
 
+def test_every_error_of_a_recipe_run_at_once_before_anything_is_built(tmp_path: Path) -> None:
+    # Two typos: one a generic key (mode), one a backend option (rollout.*), one a component's
+    # own option: all reported together, before the quickstart builds its model or the run
+    # directory is made.
+    run_dir = tmp_path / "run"
+    proc = run_miles(
+        "run",
+        "quickstart",
+        "--run-dir",
+        str(run_dir),
+        *("--set", "rollout.temperatur=0.8", "--set", "mode=asynch"),
+        *("--set", "reward.answer_kee=x"),
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    for expected in (
+        "mode: 'asynch' is not one of",
+        "rollout.temperatur: unknown key; did you mean 'temperature'?",
+        "reward.answer_kee: unknown key; did you mean 'answer_key'?",
+    ):
+        assert expected in proc.stderr, proc.stderr
+    assert not run_dir.exists() and not (tmp_path / "runs").exists()
+
+
 def test_unknown_recipe_or_missing_file(tmp_path: Path) -> None:
     proc = run_miles("run", "quickstar", timeout=60)
     assert proc.returncode != 0 and "did you mean 'quickstart'" in proc.stderr

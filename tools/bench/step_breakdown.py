@@ -3,7 +3,9 @@
     python tools/bench/step_breakdown.py                  # runs `miles run quickstart` first
     python tools/bench/step_breakdown.py --run-dir DIR    # analyses an existing run
 
-Everything comes from the run's own traces.jsonl. Per step (the `miles.step` span):
+Everything comes from the run's own traces.jsonl. Per step (the `miles.step` span, plus the spans
+outside it that carry its step number, such as the rollout manager's `miles.rollout`; every part is
+clipped to the step span):
 
 * rollout:  engine time inside `miles.generate` (model compute, sampling, KV cache)
 * reward:   `miles.reward` spans (union over concurrent groups)
@@ -38,6 +40,7 @@ def _union_seconds(intervals: list[tuple[int, int]]) -> float:
 
 def breakdown(run_dir: Path) -> list[dict[str, float]]:
     spans = [json.loads(x) for x in (run_dir / "traces.jsonl").read_text().splitlines() if x]
+    by_id = {s["span_id"]: s for s in spans}
     children: dict[str, list[dict[str, Any]]] = {}
     for s in spans:
         children.setdefault(s["parent_span_id"], []).append(s)
@@ -50,16 +53,45 @@ def breakdown(run_dir: Path) -> list[dict[str, float]]:
                 todo.append(child)
         return out
 
+    def under_a_step(span: dict[str, Any]) -> bool:
+        parent = by_id.get(span["parent_span_id"])
+        while parent is not None:
+            if parent["name"] == "miles.step":
+                return True
+            parent = by_id.get(parent["parent_span_id"])
+        return False
+
+    # A step's work is not all inside its `miles.step` span: the rollout manager produces the
+    # step's batch under its own span (`miles.rollout`, attribute `step`), a sibling of the step
+    # that the controller only waits on. Every span outside a step that names the step number is
+    # one more root of that step's work.
+    tagged: dict[int, list[dict[str, Any]]] = {}
+    for s in spans:
+        number = s.get("attributes", {}).get("step")
+        if s["name"] != "miles.step" and isinstance(number, int) and not under_a_step(s):
+            tagged.setdefault(number, []).append(s)
+
     rows = []
     for step in sorted(
         (s for s in spans if s["name"] == "miles.step"), key=lambda s: s["attributes"]["step"]
     ):
+        number = step["attributes"]["step"]
         inner = descendants(step)
+        for root in tagged.get(number, []):
+            inner += [root, *descendants(root)]
+        lo, hi = step["start_ns"], step["end_ns"]
 
-        def intervals(*names: str, inner: list[dict[str, Any]] = inner) -> list[tuple[int, int]]:
-            return [(s["start_ns"], s["end_ns"]) for s in inner if s["name"] in names]
+        def intervals(
+            *names: str, inner: list[dict[str, Any]] = inner, lo: int = lo, hi: int = hi
+        ) -> list[tuple[int, int]]:
+            # Clipped to the step: a rollout started while the previous step synced its weights
+            # counts once, in that step's time.
+            clipped = [
+                (max(s["start_ns"], lo), min(s["end_ns"], hi)) for s in inner if s["name"] in names
+            ]
+            return [(a, b) for a, b in clipped if a < b]
 
-        total = (step["end_ns"] - step["start_ns"]) / 1e9
+        total = (hi - lo) / 1e9
         stages = {
             "rollout": "miles.generate",
             "reward": "miles.reward",
@@ -69,7 +101,7 @@ def breakdown(run_dir: Path) -> list[dict[str, float]]:
         parts = {k: _union_seconds(intervals(name)) for k, name in stages.items()}
         # Rewards of early groups overlap generation of later ones: count covered time once.
         parts["overhead"] = max(total - _union_seconds(intervals(*stages.values())), 0.0)
-        rows.append({"step": step["attributes"]["step"], "total": total, **parts})
+        rows.append({"step": number, "total": total, **parts})
     return rows
 
 

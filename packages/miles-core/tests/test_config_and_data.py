@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from miles.core.algorithm import loss_weights
-from miles.core.config import ConfigError, apply_overrides, parse
+from miles.core.config import ComponentRef, ConfigError, apply_overrides, parse, parse_partial
 from miles.core.configtools import build
 from miles.core.data import PromptSource, read_jsonl
 from miles.core.types import PackedBatch, Sample, split_by_token_budget
@@ -40,6 +40,32 @@ def test_every_problem_is_reported_at_once() -> None:
     assert "stepz: unknown key; did you mean 'steps'?" in text
     assert "mode: 'fast' is not one of" in text
     assert "eval.every: expected an integer" in text
+
+
+def test_set_reaches_a_component_option_whichever_way_its_section_was_written() -> None:
+    # docs/precision.md: --set precision=int4-qat --set precision.group_size=32
+    for data in ({}, {"precision": "int4-qat"}, {"precision": {"name": "int4-qat"}}):
+        overrides = ["precision.group_size=32"] if data else ["precision=int4-qat"]
+        out = apply_overrides(data, [*overrides, "precision.group_size=32"])
+        assert parse(out).precision == ComponentRef("int4-qat", {"group_size": 32}), data
+    # A bare-name component nested deeper, and a null section, open the same way.
+    out = apply_overrides(
+        {"rollout": {"function": "multi_turn"}, "lora": None},
+        ["rollout.function.env=calculator", "lora.rank=4"],
+    )
+    config = parse(out)
+    assert config.rollout.function == ComponentRef("multi_turn", {"env": "calculator"})
+    assert config.lora is not None and config.lora.rank == 4
+    # A plain value is still not a section.
+    with pytest.raises(ConfigError, match="steps is 3, not a section"):
+        apply_overrides({"steps": 3}, ["steps.x=1"])
+
+
+def test_partial_parse_keeps_going_past_bad_values() -> None:
+    config, problems = parse_partial({"mode": "asynch", "steps": 5, "rollout": {"top_k": "x"}})
+    assert config.mode == "sync" and config.steps == 5  # the bad value at its default
+    assert config.rollout.top_k == -1
+    assert len(problems) == 2 and problems[0].startswith("mode:")
 
 
 def test_config_round_trips_through_to_dict() -> None:

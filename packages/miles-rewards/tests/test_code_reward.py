@@ -24,7 +24,7 @@ WEAK_OK = SandboxConfig(allow_weak=os.geteuid() != 0)
 
 
 def score(response: str, tests, **config) -> float:
-    reward = Code(CodeConfig(**{"timeout_s": 3.0, "sandbox": WEAK_OK, **config}))
+    reward = Code(CodeConfig(**{"case_timeout_s": 3.0, "sandbox": WEAK_OK, **config}))
     return asyncio.run(reward(response, Sample(prompt_ids=[1], metadata={"tests": tests})))
 
 
@@ -72,9 +72,9 @@ def test_exiting_early_does_not_pass_asserts() -> None:
 
 def test_sandbox_failures_score_zero() -> None:
     tests = [{"input": "", "output": "done\n"}]
-    assert score("while True:\n    pass", tests, timeout_s=0.5) == 0.0
+    assert score("while True:\n    pass", tests, case_timeout_s=0.5) == 0.0
     assert score("x = bytearray(1 << 40)\nprint('done')", tests) == 0.0
-    assert score("import os\nwhile True:\n    os.fork()", tests, timeout_s=0.5) == 0.0
+    assert score("import os\nwhile True:\n    os.fork()", tests, case_timeout_s=0.5) == 0.0
     assert score("print('done'", tests) == 0.0  # syntax error
     assert score("print('done')", tests) == 1.0
 
@@ -86,7 +86,7 @@ def test_missing_field_names_the_fix() -> None:
 
 
 def test_reward_is_reusable_across_event_loops() -> None:
-    reward = Code(CodeConfig(timeout_s=3.0, max_concurrency=1, sandbox=WEAK_OK))
+    reward = Code(CodeConfig(case_timeout_s=3.0, max_concurrency=1, sandbox=WEAK_OK))
     sample = Sample(prompt_ids=[1], metadata={"tests": IO_TESTS})
     assert asyncio.run(reward(ADD, sample)) == 1.0
     assert asyncio.run(reward(ADD, sample)) == 1.0

@@ -32,11 +32,20 @@ def closest(name: str, choices: typing.Iterable[str]) -> str:
 
 def build(cls: type[T], data: Any, path: str = "") -> T:
     """An instance of dataclass `cls` from `data`, or ConfigError listing every problem."""
-    problems: list[str] = []
-    value = _convert(cls, data, path, problems)
+    value, problems = build_partial(cls, data, path)
     if problems:
         raise ConfigError(problems)
     return typing.cast(T, value)
+
+
+def build_partial(cls: type[T], data: Any, path: str = "") -> tuple[T | None, list[str]]:
+    """`cls` from `data` with every bad value left at its default, and the problems found.
+
+    The instance lets later checks (a component's own options) run on the rest of the config,
+    so that one report can hold every mistake. It is None only where a required value is bad."""
+    problems: list[str] = []
+    value = _convert(cls, data, path, problems)
+    return typing.cast("T | None", value), problems
 
 
 def to_dict(obj: Any) -> Any:
@@ -140,6 +149,7 @@ def _convert_dataclass(cls: type, value: Any, path: str, problems: list[str]) ->
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     extra: dict[str, Any] = {}
+    bad: set[str] = set()
     for key, raw in value.items():
         field = fields.get(str(key))
         if field is None or field.name == options:
@@ -151,7 +161,13 @@ def _convert_dataclass(cls: type, value: Any, path: str, problems: list[str]) ->
                 f"(accepted: {', '.join(fields)})"
             )
             continue
-        kwargs[field.name] = _convert(hints[field.name], raw, _key(path, str(key)), problems)
+        found: list[str] = []
+        converted = _convert(hints[field.name], raw, _key(path, str(key)), found)
+        if found:  # reported; the field keeps its default so the rest can still be checked
+            problems.extend(found)
+            bad.add(str(key))
+            continue
+        kwargs[field.name] = converted
     if options:
         kwargs[options] = extra
     missing = [
@@ -161,7 +177,7 @@ def _convert_dataclass(cls: type, value: Any, path: str, problems: list[str]) ->
         and f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
     ]
-    problems.extend(f"{_key(path, key)}: required" for key in missing)
+    problems.extend(f"{_key(path, key)}: required" for key in missing if key not in bad)
     if missing:
         return None
     try:

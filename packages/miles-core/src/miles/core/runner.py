@@ -6,7 +6,9 @@ Every check that can fail on user input happens here, before Ray or any worker s
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ import structlog
 import yaml
 
 from miles.core.components import ComponentConflictError, ComponentNotFoundError, Kind
-from miles.core.config import ConfigError, RunConfig, apply_overrides, load_yaml, parse
+from miles.core.config import ConfigError, RunConfig, apply_overrides, load_yaml, parse_partial
 from miles.core.families import notices_for
 from miles.core.gpu_memory import local_gpu_memory_gb
 from miles.core.logsetup import configure_logging
@@ -72,25 +74,54 @@ def resolve_config(request: RunRequest) -> tuple[RunConfig, Path, Recipe | None]
     else:
         data, recipe = _load_target(request.target)
     data = apply_overrides(data, request.overrides)
-    config = parse(data)  # key and type errors first, before any asset is built
+    prepare = recipe.prepare if recipe is not None else None
+    hints = recipe.requires if recipe is not None else None
+    # Every check the config allows before the recipe builds anything (a model, datasets): key
+    # and type errors and each component's options, all in one report. What the recipe makes is
+    # checked once it is made.
+    config = check_config(data, hints, made_later=recipe.prepares if recipe and prepare else ())
     run_dir = request.run_dir or default_run_dir(config.name)
     if not request.resume and run_dir.exists() and any(run_dir.iterdir()):
         raise click.ClickException(
             f"run directory {run_dir} is not empty: pass another --run-dir, or --resume"
         )
-    if recipe is not None and recipe.prepare is not None:
+    if prepare is None:
+        check_memory(config)
+        return config, run_dir, recipe
+    created = not run_dir.exists()
+    try:
         assets = run_dir / "assets"
         assets.mkdir(parents=True, exist_ok=True)
-        prepared = recipe.prepare(assets, config)
+        prepared = prepare(assets, config)
         # The recipe fills in paths to what it made; the user's --set still wins.
         data = apply_overrides(data, [f"{k}={_yaml_scalar(v)}" for k, v in prepared.items()])
         data = apply_overrides(data, request.overrides)
-        config = parse(data)
-    validate(config, recipe.requires if recipe is not None else None)
+        config = check_config(data, hints)
+        check_memory(config)
+    except BaseException:
+        if created:  # a refused run leaves nothing behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return config, run_dir, recipe
+
+
+def check_config(
+    data: dict[str, Any], hints: Mapping[str, str] | None = None, made_later: Sequence[str] = ()
+) -> RunConfig:
+    """The typed config, or one ConfigError with every problem: bad keys and values, and (with
+    the bad values at their defaults) unknown components, their options and what they cannot do.
+    Problems of the keys in `made_later` (filled in by a recipe's prepare) are left out."""
+    config, problems = parse_partial(data)
+    try:
+        validate(config, hints)
+    except ConfigError as exc:
+        problems += [p for p in exc.problems if p not in problems]
+    problems = [p for p in problems if p.split(":", 1)[0] not in made_later]
+    if problems:
+        raise ConfigError(problems)
     for notice in notices_for(config.model.path, config.model.family):
         log.warning("model family notice", notice=notice.message)
-    check_memory(config)
-    return config, run_dir, recipe
+    return config
 
 
 def check_memory(config: RunConfig) -> None:

@@ -39,7 +39,8 @@ class SandboxConfig:
 @dataclass
 class CodeConfig:
     test_key: str = "tests"  # the data-row field holding the test cases
-    timeout_s: float = 5.0  # wall-clock limit of each case's run
+    # Wall-clock limit of each case's run (`timeout_s` is another key: the run's limit per call).
+    case_timeout_s: float = 5.0
     memory_mb: int = 256  # memory limit of each case's run
     extract: Literal["last_block", "full"] = "last_block"  # see `extract_code`
     max_concurrency: int = 0  # sandbox runs at a time; 0: the number of CPUs
@@ -131,7 +132,7 @@ class Code:
         if config.extract not in ("last_block", "full"):
             raise ValueError(f"code: unknown extract mode {config.extract!r}")
         self.config = config
-        self.limits = SandboxLimits(wall_s=config.timeout_s, memory_mb=config.memory_mb)
+        self.limits = SandboxLimits(wall_s=config.case_timeout_s, memory_mb=config.memory_mb)
         self._sandboxes: dict[asyncio.AbstractEventLoop, Sandbox] = {}
 
     def __getstate__(self) -> dict[str, Any]:
