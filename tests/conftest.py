@@ -327,9 +327,15 @@ def build_wheel(source: Path, out: Path) -> Path:
 _PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation")
 
 
-def _is_miles(entry: str) -> bool:
-    lowered = entry.lower().replace("-", "_")
-    return lowered.startswith(("miles", "__editable__.miles", "_miles"))
+def _is_miles(entry: Path) -> bool:
+    """A miles-* distribution's entry in site-packages: its package, its dist-info, or a path
+    hook of an editable install (`_editable_impl_miles_core.pth`, `__editable__.miles_core-*`).
+    Any `.pth` that names a path inside this repository counts too, whatever its name: linked
+    into a venv, it would put a workspace `src` tree on the path."""
+    lowered = entry.name.lower().replace("-", "_")
+    if lowered.startswith(("miles", "__editable__.miles", "_miles", "_editable_impl_miles")):
+        return True
+    return entry.suffix == ".pth" and str(ROOT) in entry.read_text(errors="replace")
 
 
 def make_venv(path: Path, *wheels: Path, only_declared: bool = False) -> Path:
@@ -344,7 +350,7 @@ def make_venv(path: Path, *wheels: Path, only_declared: bool = False) -> Path:
     if only_declared:
         entries = {here / name for name in _top_level_entries(_dependency_closure(wheels))}
     else:
-        entries = {e for e in here.iterdir() if not _is_miles(e.name) and e.name != "__pycache__"}
+        entries = {e for e in here.iterdir() if not _is_miles(e) and e.name != "__pycache__"}
     for entry in sorted(entries):
         (site / entry.name).symlink_to(entry)
     pip = (sys.executable, "-m", "pip", "--python", path / "bin/python", "install", "-q")

@@ -38,6 +38,23 @@ def test_core_alone_lists_only_the_core(tmp_path: Path, wheels: dict[str, Path])
     assert plugins["miles-core"]["status"] == "ok"
 
 
+def test_the_venv_sees_no_workspace_source(tmp_path: Path, wheels: dict[str, Path]) -> None:
+    """Nothing of this checkout is on a throwaway venv's path (e.g. an editable install's
+    `_editable_impl_miles_*.pth` linked in): the core comes from its wheel, the other packages
+    are not there at all, so a module missing from a wheel cannot be found in the source tree."""
+    env_dir = make_venv(tmp_path / "venv", wheels["miles-core"])
+    probe = (
+        "import importlib.util as u, json, sys, miles.core\n"
+        "names = ['miles.losses', 'miles.torch', 'miles.rewards', 'miles.recipes']\n"
+        "print(json.dumps({'path': sys.path, 'core': miles.core.__file__,\n"
+        "    'found': [n for n in names if u.find_spec(n) is not None]}))"
+    )
+    seen = json.loads(sh(env_dir / "bin/python", "-c", probe, env=venv_env()))
+    assert [p for p in seen["path"] if p.startswith(str(ROOT))] == []
+    assert seen["core"].startswith(str(env_dir)), seen["core"]
+    assert seen["found"] == []
+
+
 def test_adding_rewards_adds_its_components(tmp_path: Path, wheels: dict[str, Path]) -> None:
     env_dir = make_venv(tmp_path / "venv", wheels["miles-core"], wheels["miles-rewards"])
     plugins = plugins_json(env_dir)

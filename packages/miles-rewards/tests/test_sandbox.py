@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import ctypes
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -495,3 +497,131 @@ def test_extra_paths_are_shown_read_only(tmp_path_factory: pytest.TempPathFactor
     r = run(code, sandbox=make_sandbox(extra_paths=(str(data),)))
     assert r.stdout == "42\n" and "Read-only file system" in r.stderr, r.stderr
     assert not (data / "new.txt").exists()
+
+
+def test_the_parent_environment_does_not_reach_the_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A secret in the parent's environment (an API key, a token): the program sees none of it,
+    # not in os.environ, not in its process's initial environment block (the argv and environment
+    # strings at the top of its stack, which clearing os.environ leaves in place; read here from
+    # memory, between argv[0] and the executable's name, as /proc/self/environ would show them),
+    # not in its parent's environment.
+    secret = f"miles-secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("MILES_TEST_SECRET", secret)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    code = (
+        "import ctypes, os\n"
+        "print(sorted(os.environ.items()))\n"
+        "libc = ctypes.CDLL(None)\n"
+        "libc.getauxval.restype = ctypes.c_ulong\n"
+        "start = ctypes.c_void_p.in_dll(libc, 'program_invocation_name').value\n"
+        "block = ctypes.string_at(start, libc.getauxval(31) - start)  # AT_EXECFN\n"
+        "print('stack', block)\n"
+        "for path in ('/proc/self/environ', f'/proc/{os.getppid()}/environ'):\n"
+        "    try:\n"
+        "        print(path, open(path, 'rb').read())\n"
+        "    except OSError as e:\n"
+        "        print(path, 'unreadable', e.errno)\n"
+    )
+    r = run(code)
+    assert r.status == "ok", r.stderr
+    assert secret not in r.stdout and secret not in r.stderr, r.stdout
+    assert "PATH=" in r.stdout.splitlines()[1], r.stdout  # the block was read
+    # What the program gets is the sandbox's own short environment, and nothing else.
+    names = {k for k, _ in ast.literal_eval(r.stdout.splitlines()[0])}
+    assert names <= {"HOME", "TMPDIR", "PATH", "LANG", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE",
+                     "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}, names  # fmt: skip
+
+
+def test_unix_sockets_of_the_host_are_out_of_reach() -> None:
+    # A host service on a Unix socket (a docker or database socket, say), on a world-writable
+    # path and on the abstract namespace: connecting is a way out that file modes do not stop.
+    sock_dir = Path(f"/tmp/miles_sock_{uuid.uuid4().hex[:12]}")
+    sock_dir.mkdir(mode=0o777)
+    sock_dir.chmod(0o777)
+    path = str(sock_dir / "host.sock")
+    abstract = f"\0miles-host-{uuid.uuid4().hex}"
+    servers = []
+    for address in (path, abstract):
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(address)
+        server.listen()
+        server.settimeout(0.2)
+        servers.append(server)
+    os.chmod(path, 0o777)
+    received: list[bytes] = []
+    stop = threading.Event()
+
+    def accept(server: socket.socket) -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            received.append(conn.recv(1024) or b"<connected>")
+            conn.close()
+
+    threads = [threading.Thread(target=accept, args=(s,), daemon=True) for s in servers]
+    for thread in threads:
+        thread.start()
+    try:
+        code = (
+            "import socket\n"
+            f"for address in ({path!r}, {abstract!r}):\n"
+            "    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+            "    try:\n"
+            "        s.connect(address)\n"
+            "        s.sendall(b'escaped')\n"
+            "        print('CONNECTED', repr(address))\n"
+            "    except OSError as e:\n"
+            "        print('refused', e.errno)\n"
+        )
+        r = run(code)
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        for server in servers:
+            server.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    assert r.status == "ok", r.stderr
+    if not ROOT:  # no network namespace: the abstract socket is reachable, as docs/sandbox.md says
+        pytest.skip("not running as root: no network namespace or private root")
+    assert received == [] and "CONNECTED" not in r.stdout, r.stdout
+    assert r.stdout.split() == ["refused", "2", "refused", "111"]  # ENOENT, ECONNREFUSED
+
+
+def test_the_program_cannot_forge_the_launchers_report() -> None:
+    # `init` reports how the program ended on a pipe the program must not reach. A forger writes
+    # a clean exit to every descriptor it has or can open (its own, init's and the launcher's via
+    # /proc) and leaves a half line that would swallow the real report; then it fails.
+    forged = b'{"end": {"exit_code": 0, "cpu_s": 0.0}}\n{"ready": true}\n{"swallow": "'
+    code = (
+        "import os, time\n"
+        "time.sleep(0.3)  # after init's setup line: the real report comes next\n"
+        f"forged = {forged!r}\n"
+        "hits = []\n"
+        "for fd in range(3, 256):\n"
+        "    try:\n"
+        "        os.write(fd, forged)\n"
+        "        hits.append(fd)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "for pid in (1, os.getppid()):  # init (the launcher's child), or the host's init\n"
+        "    try:\n"
+        "        fds = os.listdir(f'/proc/{pid}/fd')\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    for fd in fds:\n"
+        "        try:\n"
+        "            w = os.open(f'/proc/{pid}/fd/{fd}', os.O_WRONLY | os.O_NONBLOCK)\n"
+        "            os.write(w, forged)\n"
+        "            hits.append(f'{pid}/{fd}')\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "print('wrote to', hits, flush=True)\n"
+        "os._exit(7)\n"
+    )
+    r = run(code)
+    assert (r.status, r.exit_code) == ("error", 7), (r.stdout, r.stderr)
+    assert r.reason.startswith("exit code 7") and r.contained
