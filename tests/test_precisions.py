@@ -71,6 +71,20 @@ def test_a_precision_backend_that_is_not_there_fails_before_launch(
     assert not (tmp_path / "run" / "events.jsonl").exists()
 
 
+def _adapters_trained(run_dir: Path) -> None:
+    """The optimizer really stepped: every adapter pair's update B @ A (B starts at zero) is
+    nonzero in the last checkpoint, so the policy moved off its base."""
+    from safetensors.torch import load_file
+
+    last = max((run_dir / "checkpoints").iterdir(), key=lambda p: int(p.name.split("_")[1]))
+    adapters = load_file(str(last / "train" / "adapter.safetensors"))
+    b_names = [n for n in adapters if n.endswith(".lora_B.weight")]
+    assert b_names
+    for b in b_names:
+        a = adapters[b.replace(".lora_B.", ".lora_A.")]
+        assert (adapters[b].float() @ a.float()).abs().max() > 0, b
+
+
 def _lora_run(tmp_path: Path, assets: dict[str, str], name: str, **sections: Any) -> Path:
     cfg = write_config(
         tmp_path / f"{name}.yaml", assets, steps=2, checkpoint={"every": 1}, **sections
@@ -91,6 +105,8 @@ def test_lora_trains_adapters_syncs_them_and_checkpoints_only_them(
     # Same training either way (the engines' weights are verified after every sync)...
     assert [r["train/loss"] for r in m] == pytest.approx([r["train/loss"] for r in a], abs=1e-6)
     assert all(r["train/grad_norm"] > 0 for r in m)
+    _adapters_trained(merged)
+    _adapters_trained(adapters)
     # ...but the adapters-only sync moves a small fraction of the bytes.
     ratio = a[0]["weights/sync_bytes"] / m[0]["weights/sync_bytes"]
     print(f"\nadapter sync bytes / merged sync bytes: {ratio:.4f}")
@@ -116,6 +132,7 @@ def test_lora_over_every_quantized_precision(
     )
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert all(r["train/grad_norm"] > 0 for r in rows)
+    _adapters_trained(run_dir)
     # adapters over int4: the engine's base is exactly training's fake-quantized one. fp8 and
     # mxfp8 training also quantizes activations, which the dequantizing engine does not.
     bound = 0.2 if sync == "merged" else 0.02 if precision == "int4-qat" else 0.1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,10 +133,35 @@ def test_two_train_ranks_match_one(tmp_path: Path, tiny_assets: dict[str, str]) 
             assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
 
 
-def test_training_moves_the_policy(finished_run: Path) -> None:
+def _logprobs(model_dir: str | Path, tokens: Any) -> Any:
+    """Each next token's logprob under the checkpoint at `model_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=tokens).logits.float(), -1)
+    return logp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def test_training_moves_the_policy(finished_run: Path, tiny_assets: dict[str, str]) -> None:
+    import torch
+    from safetensors.torch import load_file
+
     rows = read_jsonl(finished_run / "metrics.jsonl")
     assert all(r["train/grad_norm"] > 0 for r in rows)  # the reward gave a real signal
     assert any(r["rollout/reward_std"] > 0 for r in rows)
+    # The optimizer really stepped: the last checkpoint's weights differ from the initial ones,
+    # and the policy's logprobs on a fixed batch moved with them.
+    trained = finished_run / "checkpoints" / "step_2" / "train"
+    before = load_file(str(Path(tiny_assets["model"]) / "model.safetensors"))
+    after = load_file(str(trained / "model.safetensors"))
+    assert after.keys() == before.keys()
+    moved = [n for n in before if not torch.equal(before[n], after[n])]
+    assert len(moved) > len(before) // 2, f"only {moved} changed"
+    tokens = torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(0))
+    shift = (_logprobs(trained, tokens) - _logprobs(tiny_assets["model"], tokens)).abs()
+    assert shift.max() > 1e-3
 
 
 def test_joins_an_existing_ray_cluster(tmp_path: Path, tiny_assets: dict[str, str]) -> None:

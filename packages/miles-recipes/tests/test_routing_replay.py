@@ -116,6 +116,35 @@ def test_replayed_weights_come_from_the_record(arch: Any) -> None:
         torch.testing.assert_close(got.float(), doubled[:, layer])
 
 
+def test_replayed_match_counts_what_the_experts_receive(arch: Any) -> None:
+    """`matched` (the trainer's `moe/replayed_match`) is measured at the experts' inputs: a
+    replay that reaches them counts every recorded pair; indices rewritten between the router
+    and the experts (a replay that did not take hold) count none."""
+    name, path = arch
+    family, tokens = FAMILIES[name], _tokens()
+    indices, _ = _record(_load(path), family, tokens)
+    num_experts = int(indices.max()) + 1
+    model = _load(path)
+    replay = RoutingReplay(model, family.router, "ids")  # type: ignore[arg-type]
+    assert replay.verifies
+    replay.counting = True
+    with torch.no_grad(), replay.active(indices):
+        model(input_ids=tokens)
+    stats = replay.take_stats()
+    assert stats.compared == indices.shape[0] * indices.shape[1] and stats.matched == stats.compared
+
+    def rewrite(module: Any, args: Any, output: Any) -> Any:  # runs after the replay's hook
+        logits, weights, chosen = output
+        return logits, weights, (chosen + 1) % num_experts
+
+    for router in moe_routers(model):
+        router.register_forward_hook(rewrite)
+    with torch.no_grad(), replay.active(indices):
+        model(input_ids=tokens)
+    stats = replay.take_stats()
+    assert stats.compared > 0 and stats.matched == 0
+
+
 def test_minus_one_keeps_the_live_choice(arch: Any) -> None:
     name, path = arch
     family, tokens = FAMILIES[name], _tokens()
@@ -177,6 +206,8 @@ def test_bf16_rollout_fp32_training_evidence(
             lp = _token_logprobs(trainer, tokens)
         stats = replay.take_stats()
         used_equal = all(torch.equal(u.long(), record[:, i].long()) for i, u in enumerate(seen))
+        if mode == "ids":  # the replayed_match count agrees with what the experts saw
+            assert used_equal == (stats.matched == stats.compared)
         results[mode] = (
             stats.agreed / stats.compared,
             (lp - rollout_lp).abs().mean().item(),

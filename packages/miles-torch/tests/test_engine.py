@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from miles.core.backends import RolloutEngine
 from miles.core.types import GenerateRequest, GenerateResult, SamplingParams
+from miles.torch.engine.batch import Batch
 from miles.torch.engine.engine import TorchRolloutEngine
 
 torch.set_num_threads(1)
@@ -65,6 +66,43 @@ def test_batch_size_does_not_change_greedy_results(tiny_model):
         assert ids[0] == ids[1] == ids[2]
         lps = [torch.tensor(out[req.request_id].logprobs) for out in outputs]
         torch.testing.assert_close(lps[0], lps[2], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_prompts_merged_mid_decode_match_running_alone(tiny_model, monkeypatch, arch):
+    """Uneven budgets make rows finish at different steps, so waiting prompts are prefilled and
+    merged into a batch whose rows are mid-decode (left-padded to a common cache length). Greedy
+    results must equal each request run alone (batch size 1) and in pairs."""
+    merged_mid_decode = 0
+    merge = Batch.merge
+
+    def counting_merge(self: Batch, other: Batch) -> None:
+        nonlocal merged_mid_decode
+        # A live row that already decoded: the new rows join a batch in the middle of decoding.
+        merged_mid_decode += any(len(r.response) > 1 and not r.done for r in self.rows)
+        merge(self, other)
+
+    monkeypatch.setattr(Batch, "merge", counting_merge)
+    budgets = [3, 11, 1, 6, 9, 2, 12, 4]
+    prompts = make_requests(SamplingParams(), lens=[5, 17, 9, 2, 30, 11, 1, 23], seed=3)
+    requests = [
+        GenerateRequest(
+            r.request_id, r.prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=n)
+        )
+        for r, n in zip(prompts, budgets, strict=True)
+    ]
+    alone = by_id(TorchRolloutEngine(tiny_model(arch), max_batch_size=1).results(requests))
+    assert merged_mid_decode == 0
+    for max_batch_size in (2, 3):
+        engine = TorchRolloutEngine(tiny_model(arch), max_batch_size=max_batch_size)
+        batched = by_id(engine.results(requests))
+        for req in requests:
+            got, ref = batched[req.request_id], alone[req.request_id]
+            assert got.response_ids == ref.response_ids, (max_batch_size, req.request_id)
+            torch.testing.assert_close(
+                torch.tensor(got.logprobs), torch.tensor(ref.logprobs), rtol=0, atol=1e-5
+            )
+    assert merged_mid_decode > 0  # the merge path really ran
 
 
 def test_results_stream_in_finishing_order(tiny_model):

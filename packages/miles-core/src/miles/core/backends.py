@@ -82,6 +82,8 @@ class TrainSetup:
     device: str  # "cpu" or "cuda"
     seed: int
     precision: Precision
+    # The precision declares Capability.QUANTIZED: it must convert training layers to its format.
+    quantized: bool = False
     temperature: float = 1.0  # logprobs are of log_softmax(logits / temperature), as sampled
     total_steps: int = 0  # optimizer steps the run plans (warm-start + RL), for LR schedules
     reference: bool = False  # keep the initial policy for reference logprobs (a KL term)

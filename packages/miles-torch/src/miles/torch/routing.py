@@ -13,7 +13,9 @@ forward hooks on those routers, so the model code itself is untouched.
   `ids+weights` takes the weights from the record too. A record of -1 means "no record" (padding,
   or the last token, which the engine never fed through the model): the live choice stands.
   The replay stays set for a whole micro-batch, forward and backward, so activation
-  recomputation during backward routes the same way.
+  recomputation during backward routes the same way. Whether replay took hold is measured where
+  it matters: a forward pre-hook on each MoE layer's experts module (the router's sibling
+  `experts`) compares the indices the experts really receive with the record.
 
 Records are `[tokens, moe_layers, top_k]` integer arrays in the smallest signed dtype that holds
 every expert index (and -1).
@@ -99,7 +101,8 @@ class ReplayStats:
     compared: int = 0  # token-layer pairs with a record
     agreed: int = 0  # ... where the live router chose the same set of experts
     replayed_tokens: int = 0  # tokens with a record
-    matched: int = 0  # token-layer pairs (with a record) whose experts were the recorded ones
+    # token-layer pairs (with a record) whose experts module received the recorded experts
+    matched: int = 0
 
 
 class RoutingReplay:
@@ -118,6 +121,13 @@ class RoutingReplay:
         self.counting = False
         for router in self._routers:
             router.register_forward_hook(self._hook)
+        experts = [_experts_of(model, router) for router in self._routers]
+        # `matched` is only meaningful when every MoE layer's experts can be watched.
+        self.verifies = all(e is not None for e in experts)
+        self._experts_layer = {id(e): i for i, e in enumerate(experts) if e is not None}
+        for module in experts:
+            if module is not None:
+                module.register_forward_pre_hook(self._experts_hook, with_kwargs=True)
 
     @property
     def num_layers(self) -> int:
@@ -160,11 +170,35 @@ class RoutingReplay:
             weights = torch.where(has[:, None], recorded_w, live_weights)
         else:
             weights = self.adapter.gate_weights(module, logits, indices).to(live_weights.dtype)
-        if self.counting:  # what the experts will really get, against the record
-            used = (indices == recorded.to(indices.dtype)).all(dim=-1)
-            self.stats.matched += int((used & has).sum())
         return logits, weights, indices
+
+    def _experts_hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Counts the recorded token-layer pairs whose experts module receives exactly the
+        recorded experts: measured downstream of the router, so a replay that does not reach
+        the experts (or anything rewriting indices on the way) shows up as a mismatch."""
+        if self._indices is None or not self.counting or self.mode == "off":
+            return
+        received = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+        if not isinstance(received, torch.Tensor):
+            return  # nothing recognisable reached the experts: no pair counts as matched
+        recorded = self._indices[:, self._experts_layer[id(module)]].to(received.device)
+        if recorded.shape != received.shape:
+            return
+        has = (recorded >= 0).all(dim=-1)
+        same = received.sort(dim=-1).values == recorded.to(received.dtype).sort(dim=-1).values
+        self.stats.matched += int((same.all(dim=-1) & has).sum())
 
     def take_stats(self) -> ReplayStats:
         stats, self.stats = self.stats, ReplayStats()
         return stats
+
+
+def _experts_of(model: Any, router: Any) -> Any | None:
+    """The `experts` module beside `router` in its MoE block (every supported transformers MoE
+    block calls `self.experts(hidden, indices, weights)` with the router's output); None if the
+    block has none."""
+    for parent in model.modules():
+        if any(child is router for child in parent.children()):
+            experts = getattr(parent, "experts", None)
+            return experts if isinstance(experts, torch.nn.Module) else None
+    return None

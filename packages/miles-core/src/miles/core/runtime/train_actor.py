@@ -87,6 +87,9 @@ class TrainActor:
             device=device,
             seed=config.seed,
             precision=precision,
+            quantized=get_plugin_manager()
+            .get(Kind.PRECISION, config.precision.name)
+            .spec.has(Capability.QUANTIZED),
             # Train-side logprobs use the rollout's sampling temperature (0 is greedy: use 1).
             temperature=config.rollout.temperature or 1.0,
             total_steps=config.steps + config.warmstart.steps,

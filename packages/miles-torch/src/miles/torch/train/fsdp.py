@@ -122,7 +122,7 @@ class FSDPTrainer:
         attn = self.cfg.attn_implementation
         model = (load_critic(path, attn, seed) if critic else _load_hf_model(path, attn)).eval()
         if not critic:  # a precision's own layers (e.g. fp8 / int4 training linears)
-            self.setup.precision.convert_model(model)
+            _check_converted(self.setup, self.setup.precision.convert_model(model))
         if trainable and not critic and self.lora is not None:
             apply_lora(model, self.lora)  # base frozen; adapters train
         layers = decoder_layers(model)
@@ -393,8 +393,9 @@ class FSDPTrainer:
         if not compared:
             return {}
         metrics = {"moe/routing_agreement": agreed / compared, "moe/replayed_tokens": replayed}
-        if self.replay.mode != "off":
-            # 1.0 unless replay failed to take hold: the experts used are the recorded ones.
+        if self.replay.mode != "off" and self.replay.verifies:
+            # Counted at the experts modules' inputs: 1.0 only if what the experts received
+            # was the record; below it when replay did not take hold.
             metrics["moe/replayed_match"] = matched / compared
         return metrics
 
@@ -662,6 +663,19 @@ class FSDPTrainer:
 
 
 ADAPTER_FILE = "adapter.safetensors"  # with LoRA, the checkpoint's only model weights
+
+
+def _check_converted(setup: TrainSetup, converted: int) -> None:
+    """A quantized precision (one with a weight format of its own) that converted no layer
+    would train in full precision while the engines get its format: refuse, rather than run
+    silently without the numerics it promises."""
+    if converted == 0 and setup.quantized:
+        precision = setup.precision
+        raise ValueError(
+            f"precision {getattr(precision, 'name', type(precision).__name__)!r} converted no "
+            "layer of the training model: "
+            "training would not run in its format while engines receive it"
+        )
 
 
 def _routing_replay(model: Any, mode: ReplayMode) -> RoutingReplay | None:
