@@ -458,3 +458,88 @@ def test_an_engine_past_its_restart_cap_is_dropped_and_the_run_goes_on(
     assert rows[-1]["fault/engines_dropped"] == 1 and rows[-1]["fault/engine_restarts"] == 0
     assert len(_fault_events(run_dir, "engine_dropped")) == 1
     _assert_every_sample_once(run_dir, 3)
+
+
+# ── resume in the overlapping modes: the batches in flight are saved with the checkpoint ───────
+
+
+def _kill_after_checkpoint(cfg: Path, run_dir: Path, step: int) -> dict[str, Any]:
+    """Runs `cfg` in the background, kills it (SIGKILL) once checkpoint `step` exists, and returns
+    the newest checkpoint's state.json: what `--resume` starts from."""
+    import json
+
+    with _background_run(cfg, run_dir) as proc:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / f"step_{step}").exists():
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    newest = max((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))
+    return json.loads((newest / "state.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_one_step_off_resume_restores_the_batch_in_flight_exactly(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    """In one_step_off, each checkpoint holds the next step's batch (generated with the weights
+    before it): resumed, the run trains that very batch, one version behind, and matches an
+    uninterrupted run metric for metric."""
+    steps = 5
+    sections: dict[str, Any] = {
+        "steps": steps,
+        "mode": "one_step_off",
+        "algorithm": {"correction": "tis"},
+        "checkpoint": {"every": 1, "keep_last": 2},
+    }
+    whole = _run(tmp_path, tiny_assets, "whole", **sections)
+    run_dir = tmp_path / "killed"
+    state = _kill_after_checkpoint(
+        write_config(tmp_path / "k.yaml", tiny_assets, **sections), run_dir, 2
+    )
+    assert state["step"] < steps - 1, "killed too late to test anything"
+    assert len(state["rollout"]["buffer"]) > 0, "the checkpoint holds no batch in flight"
+
+    resumed = run_miles("run", "--resume", "--run-dir", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    expected = [_comparable(r) for r in read_jsonl(whole / "metrics.jsonl")]
+    got = [_comparable(r) for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in got] == list(range(steps))
+    assert [r["async/staleness_mean"] for r in got] == [0.0] + [1.0] * (steps - 1)
+    for want, have in zip(expected, got, strict=True):
+        assert want.keys() == have.keys()
+        for key in want:
+            assert have[key] == pytest.approx(want[key], abs=1e-6, rel=0), (want["step"], key)
+    _assert_every_sample_once(run_dir, steps)
+
+
+def test_async_resume_trains_the_buffered_samples_and_loses_none(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    """In async mode the checkpoint saves the samples streamed into the buffer but not yet
+    trained; resumed, those are trained (none generated twice, none lost) within the staleness
+    bound."""
+    steps = 5
+    sections: dict[str, Any] = {
+        "steps": steps,
+        "mode": "async",
+        "algorithm": {"correction": "tis"},
+        "async": {"max_staleness": 2},
+        "checkpoint": {"every": 1, "keep_last": 2},
+    }
+    run_dir = tmp_path / "killed"
+    state = _kill_after_checkpoint(
+        write_config(tmp_path / "k.yaml", tiny_assets, **sections), run_dir, 2
+    )
+    assert state["step"] < steps - 1, "killed too late to test anything"
+    assert len(state["rollout"]["buffer"]) > 0, "the checkpoint holds no buffered samples"
+
+    resumed = run_miles("run", "--resume", "--run-dir", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert all(r["async/staleness_max"] <= 2 for r in rows)
+    ledger = _assert_every_sample_once(run_dir, steps)
+    # The step after the checkpoint trained samples created before it: restored, not redone.
+    restored_ids = {s["sample_id"] for b in state["rollout"]["buffer"] for s in b["samples"]}
+    after = {r["sample_id"] for r in ledger if r["step"] == state["step"] + 1}
+    assert restored_ids & after, "the resumed run did not train the restored samples"
