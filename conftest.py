@@ -1,9 +1,11 @@
 """Suite-wide pytest set-up: GPU tests skip themselves where no CUDA device is visible, and the
 `plant` fixture fakes an installed plugin distribution."""
 
+import contextlib
 import itertools
 import os
 import textwrap
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +16,21 @@ from miles.core import plugins
 # Tests never reach a model hub: every model is made at test time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The token of Ray's token authentication (on for every local Ray `miles run` starts) is
+    made once here, before test workers start runs at the same time: Ray makes it on first use,
+    and two first uses at once would write two different tokens."""
+    token = Path.home() / ".ray" / "auth_token"
+    if not token.exists():
+        token.parent.mkdir(parents=True, exist_ok=True)
+        tmp = token.with_name(f".auth_token.{os.getpid()}")
+        tmp.write_text(uuid.uuid4().hex)
+        tmp.chmod(0o600)
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, token)  # never replaces a token another process made meanwhile
+        tmp.unlink()
 
 
 def _has_cuda() -> bool:

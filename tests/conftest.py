@@ -238,21 +238,32 @@ def install_plugin(name: str, source: str) -> None:
     directory on the subprocess's path."""
     module, dist = f"miles_test_{name}", f"miles-test-{name.replace('_', '-')}"
     TEST_MODULES.mkdir(exist_ok=True)
-    (TEST_MODULES / f"{module}.py").write_text(source)
+    _write(TEST_MODULES / f"{module}.py", source)
     info = TEST_MODULES / f"{module}-0.1.0.dist-info"
     info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(
+    _write(
+        info / "METADATA",
         f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n"
-        "Requires-Dist: miles-core>=0.1,<0.2\n"
+        "Requires-Dist: miles-core>=0.1,<0.2\n",
     )
-    (info / "entry_points.txt").write_text(f"[miles]\n{name} = {module}\n")
+    _write(info / "entry_points.txt", f"[miles]\n{name} = {module}\n")
+
+
+def _write(path: Path, text: str) -> None:
+    """Writes `text` unless the file holds it already, atomically: another test worker may be
+    starting a run that reads it."""
+    if path.exists() and path.read_text() == text:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def run_miles(
     *args: str, cwd: Path | None = None, timeout: int = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     TEST_MODULES.mkdir(exist_ok=True)
-    (TEST_MODULES / "miles_test_rewards.py").write_text(REWARD_MODULE)
+    _write(TEST_MODULES / "miles_test_rewards.py", REWARD_MODULE)
     install_plugin("loss_plugin", LOSS_PLUGIN)
     install_plugin("chaos", CHAOS_PLUGIN)
     install_plugin("family", FAMILY_PLUGIN)

@@ -92,3 +92,27 @@ def test_algorithm_settings_run_end_to_end(
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert expected_keys <= rows[0].keys(), expected_keys - rows[0].keys()
     assert all(np.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 for r in rows)
+
+
+def test_the_tis_cap_sets_how_many_ratios_are_clipped(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    """An option changes what it should: one step off policy, the train/rollout ratios spread
+    around 1. A cap of 1 clips every ratio above 1 (about half the tokens); a cap far above any
+    ratio clips none. Same seed, same batches: only the cap differs."""
+    clipfrac = {}
+    for cap in (1.0, 1000.0):
+        cfg = write_config(
+            tmp_path / f"cap{cap}.yaml",
+            tiny_assets,
+            mode="one_step_off",
+            steps=3,
+            algorithm={"correction": {"name": "tis", "cap": cap}},
+            checkpoint={"at_end": False},
+        )
+        proc = run_miles("run", str(cfg), "--run-dir", str(tmp_path / f"cap{cap}"))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        rows = read_jsonl(tmp_path / f"cap{cap}" / "metrics.jsonl")
+        clipfrac[cap] = [r["train/is_clipfrac"] for r in rows[1:]]  # steps 1+: off policy
+    assert all(0.1 < f < 0.9 for f in clipfrac[1.0]), clipfrac
+    assert clipfrac[1000.0] == [0.0] * len(clipfrac[1000.0]), clipfrac

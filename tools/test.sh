@@ -24,4 +24,8 @@ for d in packages/*/src/miles/*/; do
   name=$(basename "$d"); [[ $name == __* ]] || mypy_packages+=(-p "miles.$name")
 done
 echo "== mypy (every package)" && mypy "${mypy_packages[@]}"
-echo "== pytest" && python -m pytest "$@"
+# Two workers (MILES_TEST_WORKERS=0: one process); a file's tests stay on one worker, so its
+# module fixtures (shared runs) are made once.
+workers=${MILES_TEST_WORKERS:-2}
+xdist=(); [ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadfile)
+echo "== pytest" && python -m pytest "${xdist[@]}" "$@"
