@@ -76,6 +76,14 @@ def test_a_newer_checkpoint_wins_and_nothing_restorable_is_none(tmp_path: Path) 
     assert snaps.batches == {}
 
 
+def test_a_snapshot_that_cannot_be_written_turns_them_off(tmp_path: Path) -> None:
+    snaps = make(tmp_path, every=1)
+    (tmp_path / "shm").write_text("a file where the snapshot directory's parent should be")
+    snaps.trained(0, "b0", train_s=1.0)
+    assert snaps.take(FakeTrainers(), 0) == {}  # type: ignore[arg-type]
+    assert not snaps.enabled and snaps.batches == {0: "b0"}  # still kept for a redo
+
+
 def test_off_means_no_snapshots(tmp_path: Path) -> None:
     snaps = make(tmp_path, every=0)
     snaps.trained(0, "b0", train_s=1.0)

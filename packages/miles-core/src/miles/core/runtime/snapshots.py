@@ -1,8 +1,8 @@
 """Train-state snapshots: what a train group that died resumes from.
 
 Every `fault.snapshot_every` steps the train group saves its model and optimizer state, as it
-would for a checkpoint, into host memory (`/dev/shm`, or `fault.snapshot_dir`): a directory that
-outlives the train processes but not the machine. Only the newest is kept. The batches trained
+would for a checkpoint, into host memory (`/dev/shm`; the temp dir where there is none, as on
+macOS; or `fault.snapshot_dir`): a directory that outlives the train processes. Only the newest is kept. The batches trained
 since the newest snapshot or checkpoint are kept too (as Ray object references), so a new train
 group loads the newer of the two and redoes those steps from the same data: the run goes on as
 if the failure had not happened, instead of going back to `model.path`.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ import structlog
 
 from miles.core.config import FaultConfig
 from miles.core.rundir import latest_valid_checkpoint
-from miles.core.runtime.train_group import TrainGroup
+from miles.core.runtime.train_group import TrainerDied, TrainGroup
 from miles.core.telemetry import carrier, span
 
 log = structlog.get_logger(__name__)
@@ -49,7 +50,7 @@ class RestorePoint:
 class Snapshots:
     def __init__(self, fault: FaultConfig, run_id: str, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.root = Path(fault.snapshot_dir or "/dev/shm") / f"miles-snapshots-{run_id}"
+        self.root = Path(fault.snapshot_dir or _host_memory()) / f"miles-snapshots-{run_id}"
         self.auto = fault.snapshot_every == "auto"
         self.every = 1 if fault.snapshot_every == "auto" else int(fault.snapshot_every)
         self.latest: RestorePoint | None = None
@@ -80,11 +81,18 @@ class Snapshots:
             return {}
         t0 = time.perf_counter()
         final, tmp = self.root / f"step_{step}", self.root / f"tmp-step_{step}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        with span("miles.snapshot", step=step):
-            trainers.call("save", str(tmp), carrier())
-        tmp.rename(final)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            with span("miles.snapshot", step=step):
+                trainers.call("save", str(tmp), carrier())
+            tmp.rename(final)
+        except TrainerDied:
+            raise
+        except Exception as exc:  # e.g. no space left: the run goes on, on checkpoints
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._turn_off(f"writing a snapshot failed: {exc!r}"[:300])
+            return {}
         old, self.latest = self.latest, RestorePoint(step, final, "snapshot")
         if old is not None and old.path is not None:
             shutil.rmtree(old.path, ignore_errors=True)
@@ -139,6 +147,11 @@ class Snapshots:
             reason=why,
             fix="free host memory, or set fault.snapshot_dir to a larger file system",
         )
+
+
+def _host_memory() -> str:
+    """/dev/shm (a RAM-backed file system) where there is one; else (macOS) the temp dir."""
+    return "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
 
 
 def _mean(mean: float | None, value: float) -> float:
