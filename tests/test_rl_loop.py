@@ -169,35 +169,41 @@ def test_joins_an_existing_ray_cluster(tmp_path: Path, tiny_assets: dict[str, st
     import os
     import secrets
     import shutil
+    import signal
     import subprocess
     import sys
+    import threading
 
     ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable))
     assert ray_cli, "the ray CLI comes with ray"
     # A cluster with its own token, as a shared cluster would have; both sides read it from env.
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
-    start = subprocess.run(
+    # `--block` keeps `ray start` in the foreground, in a session of its own with the cluster's
+    # processes: stopping that session stops this cluster only (`ray stop` would stop every Ray
+    # on the machine, other tests' included).
+    head = subprocess.Popen(
         [
-            ray_cli,
-            "start",
-            "--head",
-            "--num-cpus=2",
-            "--port=0",
-            "--include-dashboard=false",
+            *(ray_cli, "start", "--head", "--block"),
+            *("--num-cpus=2", "--port=0", "--include-dashboard=false"),
         ],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=120,
         # The cluster's workers must be able to import the run's code, as on a real cluster.
         env={**os.environ, **auth, "PYTHONPATH": str(TEST_MODULES)},
+        start_new_session=True,
     )
-    assert start.returncode == 0, start.stderr
     try:
-        address = next(
-            line.split("'")[1]
-            for line in (start.stdout + start.stderr).splitlines()
-            if "ray start --address=" in line
-        )
+        address, seen = None, []
+        assert head.stdout is not None
+        for line in head.stdout:
+            seen.append(line)
+            if "ray start --address=" in line:
+                address = line.split("'")[1]
+                break
+        assert address, "".join(seen)[-4000:]
+        # Keep reading what it prints, so a full pipe never blocks it.
+        threading.Thread(target=head.stdout.read, daemon=True).start()
         cfg = write_config(tmp_path / "cfg.yaml", tiny_assets, steps=1)
         proc = run_miles(
             "run", str(cfg), "--run-dir", str(tmp_path / "run"), "--ray-address", address, env=auth
@@ -205,9 +211,9 @@ def test_joins_an_existing_ray_cluster(tmp_path: Path, tiny_assets: dict[str, st
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0]
     finally:
-        subprocess.run(
-            [ray_cli, "stop", "--force"],
-            capture_output=True,
-            timeout=120,
-            env={**os.environ, **auth},
-        )
+        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops its cluster on SIGTERM
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
