@@ -50,7 +50,11 @@ TARGETS = {
     "sampler": Target(
         ("miles-torch",),
         ("miles/torch/engine/sampler.py", "miles/torch/train/logprobs.py"),
-        ("packages/miles-torch/tests/test_engine_sampling.py",),
+        (
+            "packages/miles-torch/tests/test_engine_sampling.py",
+            "packages/miles-torch/tests/test_sampler_mutants.py",
+            "packages/miles-torch/tests/test_token_logprobs.py",
+        ),
         "the engine's token sampler and the trainer's logprob path",
     ),
     "sync": Target(
@@ -65,7 +69,11 @@ TARGETS = {
     "ledger": Target(
         ("miles-core",),
         ("miles/core/runtime/ledger.py", "miles/core/runtime/buffer.py"),
-        ("packages/miles-core/tests/test_buffer.py", "packages/miles-core/tests/test_ledger.py"),
+        (
+            "packages/miles-core/tests/test_buffer.py",
+            "packages/miles-core/tests/test_batch_buffer.py",
+            "packages/miles-core/tests/test_ledger.py",
+        ),
         "the sample ledger and the rollout buffer policies",
     ),
 }

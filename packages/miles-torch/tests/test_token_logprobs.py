@@ -1,0 +1,107 @@
+"""token_logprobs against a per-sequence reference, on a tiny fake causal LM (no FSDP, no HF).
+
+The fake model's logits at a position depend only on the token there (an embedding and a head),
+so each sequence run alone gives the reference logits, and right-padding cannot leak in.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from miles.core.types import PackedBatch, Sample
+from miles.torch.train.logprobs import token_logprobs
+from miles.torch.train.microbatch import make_micro_batch
+
+VOCAB = 11
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Parameter(torch.randn(VOCAB, 6, generator=gen))
+        self.head = torch.nn.Parameter(torch.randn(6, VOCAB, generator=gen) * 2)
+        self.calls: list[dict[str, Any]] = []
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, use_cache: bool
+    ) -> SimpleNamespace:
+        self.calls.append({"attention_mask": attention_mask, "use_cache": use_cache})
+        return SimpleNamespace(logits=(self.embed[input_ids] @ self.head).to(torch.bfloat16))
+
+
+SEQS = [[3, 1, 4, 1, 5], [9, 2], [6], [5, 3, 5]]  # lengths 5, 2, 1, 3: padding, a 1-token row
+
+
+def _micro_batch() -> Any:
+    samples = [Sample(prompt_ids=s[:1], response_ids=s[1:]) for s in SEQS]
+    batch = PackedBatch.from_samples(samples)
+    return make_micro_batch(batch, list(range(len(SEQS))), torch.device("cpu")), batch
+
+
+def _reference(model: TinyLM, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat [tokens] logprobs and entropies, one sequence at a time, in float64."""
+    logps, ents = [], []
+    with torch.no_grad():
+        for seq in SEQS:
+            ids = torch.tensor(seq)
+            logits = (model.embed[ids] @ model.head).to(torch.bfloat16).double() / temperature
+            logp = torch.log_softmax(logits, dim=-1)
+            logps += [0.0] + [float(logp[t - 1, seq[t]]) for t in range(1, len(seq))]
+            ent = -(logp.exp() * logp).sum(-1)
+            ents += [0.0] + [float(ent[t - 1]) for t in range(1, len(seq))]
+    return torch.tensor(logps, dtype=torch.float64), torch.tensor(ents, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_logprobs_and_entropy_match_each_sequence_alone(temperature: float) -> None:
+    model = TinyLM()
+    mb, batch = _micro_batch()
+    logprobs, entropy = token_logprobs(model, mb, temperature)
+    assert logprobs.dtype == torch.float32 and entropy.dtype == torch.float32
+    assert logprobs.shape == entropy.shape == (len(batch.tokens),)
+    want_logp, want_ent = _reference(model, temperature)
+    torch.testing.assert_close(logprobs.double(), want_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), want_ent, rtol=0, atol=1e-5)
+    first_tokens = torch.from_numpy(batch.offsets[:-1])
+    assert bool((logprobs[first_tokens] == 0).all()) and bool((entropy[first_tokens] == 0).all())
+    assert bool((logprobs[logprobs != 0] < 0).all()) and bool((entropy > -1e-6).all())
+    # The model saw the padding mask, and no KV cache was asked for.
+    (call,) = model.calls
+    assert torch.equal(call["attention_mask"], mb.attention_mask) and call["use_cache"] is False
+
+
+def test_outputs_carry_gradients_to_the_model() -> None:
+    model = TinyLM()
+    mb, _ = _micro_batch()
+    logprobs, entropy = token_logprobs(model, mb, 1.0)
+    (logprobs.sum() + entropy.sum()).backward()  # type: ignore[no-untyped-call]
+    assert model.embed.grad is not None and bool(model.embed.grad.abs().sum() > 0)
+    assert model.head.grad is not None and bool(model.head.grad.abs().sum() > 0)
+
+
+def test_outputs_are_fp32_whatever_the_default_dtype() -> None:
+    model = TinyLM()
+    mb, _ = _micro_batch()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        logprobs, entropy = token_logprobs(model, mb, 1.0)
+    finally:
+        torch.set_default_dtype(before)
+    assert logprobs.dtype == entropy.dtype == torch.float32
+
+
+def test_a_micro_batch_of_one_token_sequences_predicts_nothing() -> None:
+    model = TinyLM()
+    samples = [Sample(prompt_ids=[4]), Sample(prompt_ids=[7])]
+    mb = make_micro_batch(PackedBatch.from_samples(samples), [0, 1], torch.device("cpu"))
+    logprobs, entropy = token_logprobs(model, mb, 1.0)
+    assert logprobs.tolist() == [0.0, 0.0] and entropy.tolist() == [0.0, 0.0]
+    assert np.array_equal(mb.token_index, [0, 1])
+    assert logprobs.requires_grad and entropy.requires_grad  # backward still reaches the model
