@@ -51,8 +51,8 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
-            for (checkout, variant), runs in results.items():
-                run_dir = Path(tmp) / f"{i}-{len(runs)}-{checkout.name}-{len(variant)}"
+            for k, ((checkout, variant), runs) in enumerate(results.items()):
+                run_dir = Path(tmp) / f"{i}-{k}-{checkout.name}"
                 run = one_run(checkout, variant.split(",") if variant else [], run_dir)
                 runs.append(run)
                 parts = " ".join(f"{p.split('/')[1]} {run[p]:.4f}" for p in PARTS)
