@@ -428,7 +428,11 @@ def test_benchmarks_step_breakdown_counts_every_stage(
         sys.path.pop(0)
     rows = step_breakdown.breakdown(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
+    # A step's rollout may run entirely in the previous step's tail (the next batch starts as
+    # soon as the weights are out), and only its part inside the step counts: so rollout and
+    # reward are required over the run, training in every step.
+    assert all(sum(r[k] for r in rows) > 0 for k in ("rollout", "reward")), rows
     for r in rows:
-        assert all(r[k] > 0 for k in ("rollout", "reward", "train")), r
+        assert r["train"] > 0, r
         assert r["rollout"] + r["train"] <= r["total"] + 1e-9, r
     assert json.dumps(rows)

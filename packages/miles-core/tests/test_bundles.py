@@ -79,6 +79,7 @@ def test_probe_bundles_on_a_local_cluster() -> None:
 
     # Logical GPUs: Ray hands out ids for them on a CPU machine, so the GPU request path runs too.
     ray.init(
+        address="local",  # a Ray of its own, even when another test's cluster runs here
         num_cpus=2,
         num_gpus=2,
         include_dashboard=False,

@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 import structlog
+from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -74,7 +75,23 @@ class TrainLauncher:
     num_gpus: float
     kwargs: dict[str, Any]  # TrainActor's keyword arguments, except rank and the rendezvous
 
-    def launch(self) -> list[Any]:
+    def launch(self, tries: int = 3) -> list[Any]:
+        """The ranks, once each has started. The rendezvous port is free when picked, but another
+        process may take it before rank 0 binds it: then the group starts again on a new one."""
+        for attempt in range(tries):
+            trainers = self._start()
+            try:
+                ray.get([t.__ray_ready__.remote() for t in trainers])
+                return trainers
+            except RayActorError as exc:
+                if "EADDRINUSE" not in str(exc) or attempt + 1 == tries:
+                    return trainers  # a rank that did not start fails its first call: a lost rank
+                log.warning("the train rendezvous port was taken; starting again on another")
+                for trainer in trainers:
+                    ray.kill(trainer, no_restart=True)
+        return trainers
+
+    def _start(self) -> list[Any]:
         # The rendezvous lives where rank 0 will run: ask a task in rank 0's bundle.
         probe = ray.remote(_address).options(num_cpus=0, scheduling_strategy=self._at(0))
         master_addr, master_port = ray.get(probe.remote())
