@@ -7,11 +7,14 @@ problems before raising, so a user sees every mistake in one go.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
 import typing
 from typing import Any, TypeVar, Union, get_args, get_origin
+
+import yaml
 
 T = TypeVar("T")
 
@@ -200,3 +203,54 @@ def _type_name(tp: Any) -> str:
     if get_origin(tp) is typing.Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     return getattr(tp, "__name__", str(tp))
+
+
+def overrides_applied(
+    schema_type: type, data: dict[str, Any], overrides: list[str]
+) -> dict[str, Any]:
+    """A copy of `data` (a config of dataclass `schema_type`) with each ``a.b=c`` set: data[a][b]
+    becomes c, parsed as YAML (so 3 is an int and [1, 2] a list).
+
+    A section written as a bare name (``precision: int4-qat``) or left null (``lora: null``)
+    opens into a mapping on the way down, so ``precision.group_size=32`` sets that component's
+    option whichever way its section was written."""
+    out = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError([f"--set {item!r}: expected key.path=value"])
+        *parents, leaf = key.split(".")
+        node, schema = out, _section_type(schema_type)
+        for i, part in enumerate(parents):
+            schema = _field_type(schema, part)
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, dict):
+                shorthand = getattr(schema, "__shorthand__", None)
+                if shorthand is None or not isinstance(child, str | int | float):
+                    where = ".".join(parents[: i + 1])
+                    raise ConfigError([f"--set {item!r}: {where} is {child!r}, not a section"])
+                child = {shorthand: child}
+            node[part] = child
+            node = child
+        node[leaf] = yaml.safe_load(raw) if raw else ""
+    return out
+
+
+def _section_type(tp: Any) -> type | None:
+    """The dataclass a key's type names (``ComponentRef | None`` -> ComponentRef), or None."""
+    options = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+    found = [o for o in options if dataclasses.is_dataclass(o)]
+    return typing.cast(type, found[0]) if found else None
+
+
+def _field_type(cls: type | None, key: str) -> type | None:
+    """The section type of `key` inside section `cls` (None: not a known section)."""
+    if cls is None:
+        return None
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("key", f.name) == key and f.name != getattr(cls, "__options__", None):
+            return _section_type(hints[f.name])
+    return None

@@ -218,3 +218,17 @@ def prune_checkpoints(run_dir: Path, keep_last: int, keep_every: int = 0) -> Non
     for step, path in doomed:
         if step not in keep:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Keeps the JSON lines of `path` whose "step" is at most `step` (atomically)."""
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", -1) <= step
+    ]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)

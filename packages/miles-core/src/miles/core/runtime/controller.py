@@ -18,9 +18,6 @@ Ray's object store; weights go from the train ranks to the engines.
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,7 +30,7 @@ import structlog
 from miles.core.components import Capability, Kind
 from miles.core.config import RunConfig
 from miles.core.plugins import get_plugin_manager
-from miles.core.rundir import latest_valid_checkpoint
+from miles.core.rundir import drop_rows_after, latest_valid_checkpoint
 from miles.core.runtime import checkpoints
 from miles.core.runtime.metric_log import MetricLog
 from miles.core.runtime.placement import Placement, start_ray
@@ -45,6 +42,7 @@ from miles.core.runtime.train_group import (
     TrainGroupFailedError,
     retrying,
 )
+from miles.core.runtime.warmstart import warm_start
 from miles.core.runtime.weight_updates import WeightSyncError, WeightUpdater
 from miles.core.telemetry import carrier, span
 from miles.core.types import RunInfo
@@ -86,7 +84,7 @@ class Controller:
                 )
             # Steps after the checkpoint run again: their old records go (before sinks open).
             for name in ("metrics.jsonl", "samples.jsonl"):
-                _drop_rows_after(run_dir / name, self.resume_from[0])
+                drop_rows_after(run_dir / name, self.resume_from[0])
         self.metrics = MetricLog(config.telemetry, run_dir)
         self.colocated = config.placement == "colocated"
         self.snapshots = Snapshots(config.fault, self.info.run_id, run_dir)
@@ -208,38 +206,10 @@ class Controller:
     # ── stages ───────────────────────────────────────────────────────────────────────────────────
 
     def warmstart(self) -> None:
-        """The optional SFT stage, through the same train backend. A train group lost in it
-        starts again from model.path and redoes the steps so far on the same batches."""
-        ws = self.config.warmstart
-        if not ws.steps:
-            return
-        log.info("warm-start (SFT)", steps=ws.steps, batch_size=ws.batch_size)
-        batches: list[Any] = []
-
-        def step(i: int) -> dict[str, float]:
-            with span("miles.warmstart", step=i):
-                return dict(self.trainers.call("warmstart_step", batches[i], i, carrier()))
-
-        def recover(error: TrainerDied) -> None:
-            self.trainers.restart(error, None)
-            for j in range(len(batches) - 1):
-                step(j)
-            self.steps_redone += len(batches) - 1
-            log.warning(
-                "train group restored",
-                fault="train_restarted",
-                step=-1,
-                restored="the base model (warm-start)",
-                steps_redone=len(batches) - 1,
-                lost_training=False,
-            )
-
-        for i in range(ws.steps):
-            batches.append(self.rollout.sft_batch.remote(ws.batch_size))
-            metrics = retrying(f"warm-start step {i}", functools.partial(step, i), recover)
-            if i == 0 or (i + 1) % 10 == 0 or i + 1 == ws.steps:
-                log.info("warm-start step", step=i + 1, loss=round(metrics["train/loss"], 4))
-        self.warmed = True
+        """The optional SFT stage (see `warmstart`)."""
+        if self.config.warmstart.steps:
+            self.steps_redone += warm_start(self.config.warmstart, self.trainers, self.rollout)
+            self.warmed = True
 
     def evaluate(self, step: int) -> dict[str, float]:
         if not self.config.eval.data:
@@ -408,17 +378,3 @@ class Controller:
                 ],
                 timeout=30,
             )
-
-
-def _drop_rows_after(path: Path, step: int) -> None:
-    """Keeps the JSON lines of `path` whose "step" is at most `step` (atomically)."""
-    if not path.exists():
-        return
-    kept = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", -1) <= step
-    ]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
