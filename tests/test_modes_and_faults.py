@@ -543,3 +543,33 @@ def test_async_resume_trains_the_buffered_samples_and_loses_none(
     restored_ids = {s["sample_id"] for b in state["rollout"]["buffer"] for s in b["samples"]}
     after = {r["sample_id"] for r in ledger if r["step"] == state["step"] + 1}
     assert restored_ids & after, "the resumed run did not train the restored samples"
+
+
+def test_a_train_group_lost_in_the_warm_start_redoes_it_on_the_same_batches(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    """The train rank dies in warm-start step 2: the new group starts from model.path and trains
+    step 1 again on its batch before going on; nothing of the warm-start is lost."""
+    marker = _chaos_marker(tmp_path)
+    run_dir = _run(
+        tmp_path,
+        tiny_assets,
+        "warm",
+        steps=2,
+        warmstart={
+            "data": tiny_assets["data"],
+            "steps": 3,
+            "batch_size": 4,
+            "response_key": "answer",
+        },
+        train={"backend": "chaos_fsdp", "kill_at_train_step": 2, "marker": marker},
+        fault={"backoff_s": 0.1},
+        checkpoint={"at_end": False},
+    )
+    assert Path(marker).exists()
+    [restored] = _fault_events(run_dir, "train_restarted")
+    assert restored["restored"] == "the base model (warm-start)"
+    assert restored["steps_redone"] == 1 and restored["lost_training"] is False
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[-1]["fault/steps_redone"] == 1 and rows[-1]["fault/train_restarts"] == 1
+    _assert_every_sample_once(run_dir, 2)
