@@ -35,6 +35,8 @@ SANDBOX_UIDS = range(63000 + (os.getpid() % 400) * 16, 63000 + (os.getpid() % 40
 WORK_ROOT: Path | None = None
 # As root (here and in CI) the sandbox must isolate fully: a weak fallback fails the tests. An
 # unprivileged developer's run can only be weak; it is allowed, and the tests check what remains.
+# The tests of a private root, pid and IPC namespace skip there: those need root, so CI (as root)
+# always runs them.
 ROOT = os.geteuid() == 0
 
 
