@@ -18,9 +18,15 @@ import yaml
 from .chaos import ChaosMonkey
 from .conftest import MILES, TEST_MODULES, read_jsonl
 
-# The learning outcome may differ from the unharmed run's by this much (held-out reward over
-# 256 prompts): restarted engines draw other samples than the lost ones would have.
-MARGIN = 0.05
+# How far the learning outcome (held-out reward over 256 prompts) may lie from the unharmed
+# run's, and the least the unharmed run must reach for the comparison to mean anything (an
+# untrained policy scores about 0.12).
+# - sync: a run is reproducible step for step, so only the faults move it; restarted engines
+#   draw other samples than the lost ones would have: 0.05.
+# - async: which samples are one version stale depends on timing, so two unharmed runs of one
+#   seed already differ: 0.96 and 0.81 on the loaded CI machine (0.96 and 0.97 on an idle one).
+MARGIN = {"sync": 0.05, "async": 0.2}
+BASELINE = {"sync": 0.8, "async": 0.7}
 # Each run: two engine and three trainer deaths, one in each phase (plus one more in training).
 PHASES = ["rollout", "train", "sync", "checkpoint", "reward", "train"]
 SETTINGS = [
@@ -113,5 +119,5 @@ def test_runs_survive_kills_in_every_phase_and_learn_as_unharmed(
     assert "faults survived:" in run_dir.with_suffix(".stderr").read_text()
     _assert_every_sample_once(run_dir)
     unharmed, harmed = _final_eval(runs[mode, False]), _final_eval(run_dir)
-    assert unharmed >= 0.8  # the baseline learned (else the comparison says nothing)
-    assert abs(harmed - unharmed) <= MARGIN, (harmed, unharmed)
+    assert unharmed >= BASELINE[mode], unharmed  # else the comparison says nothing
+    assert abs(harmed - unharmed) <= MARGIN[mode], (harmed, unharmed)
