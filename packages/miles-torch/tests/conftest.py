@@ -14,12 +14,14 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
-    """`tiny_model(arch="qwen3", seed=0)`: the path of a tiny random checkpoint, made once."""
+    """`tiny_model(arch="qwen3", seed=0, **config_overrides)`: the path of a tiny random
+    checkpoint, made once per set of arguments."""
     from miles.torch.testing import make_tiny_model
 
     @functools.cache
-    def make(arch: str = "qwen3", seed: int = 0) -> str:
-        return make_tiny_model(tmp_path_factory.mktemp(f"{arch}_{seed}"), arch=arch, seed=seed)
+    def make(arch: str = "qwen3", seed: int = 0, **overrides: Any) -> str:
+        directory = tmp_path_factory.mktemp(f"{arch}_{seed}")
+        return make_tiny_model(directory, arch=arch, seed=seed, **overrides)
 
     return make
 

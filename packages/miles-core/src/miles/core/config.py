@@ -84,6 +84,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: off)
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -97,6 +98,8 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{name} must be at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("rollout.temperature must be >= 0 and rollout.top_p in (0, 1]")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"rollout.min_p must be in [0, 1), got {self.min_p}")
 
 
 @dataclass

@@ -66,6 +66,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off
+    min_p: float = 0.0  # 0: off
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
@@ -90,6 +91,9 @@ class GenerateResult:
     # MoE routing record of prompt + response: [tokens, moe_layers, top_k] (-1: not recorded).
     routing: npt.NDArray[np.integer[Any]] | None = None
     routing_weights: npt.NDArray[np.float32] | None = None
+    # Prompt tokens whose KV the engine found cached (a shared or earlier prefix): SGLang's
+    # meta_info.cached_tokens.
+    cached_tokens: int = 0
 
 
 def token_versions(version: int | list[int], num_tokens: int) -> list[int]:

@@ -72,6 +72,7 @@ class RolloutManager:
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
+            min_p=r.min_p,
             max_new_tokens=r.max_new_tokens,
             stop_token_ids=tuple(r.stop_token_ids),
             stop_strings=tuple(r.stop),

@@ -30,6 +30,7 @@ from miles.core.types import GenerateRequest, GenerateResult
 from miles.core.weight_sync import SyncPlan
 from miles.precision.lora import AdapterApplier
 from miles.torch.engine.batch import Batch, Row, batching_mode
+from miles.torch.engine.config import EnginePath
 from miles.torch.engine.loader import (
     cache_kwarg,
     copy_weights,
@@ -37,6 +38,9 @@ from miles.torch.engine.loader import (
     load_model,
     resolve_dtype,
 )
+from miles.torch.engine.paged.runner import PagedRunner, PagedSettings
+from miles.torch.engine.paged.sequence import Sequence, Status
+from miles.torch.engine.path import choose_path
 from miles.torch.engine.sampler import SamplingTensors, sample
 from miles.torch.routing import RoutingRecorder, index_dtype, router_adapter
 from miles.torch.sync.checksum import tensors_checksum
@@ -86,6 +90,8 @@ class TorchRolloutEngine:
         precision: Precision | None = None,
         lora: LoRAConfig | None = None,
         sync_timeout_s: float = 600.0,
+        path: EnginePath = "hf",
+        paged: PagedSettings | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -119,9 +125,15 @@ class TorchRolloutEngine:
         self._routing_dtype = index_dtype(int(experts or 1))
         mode, why = batching_mode(DynamicCache(config=self.model.config))
         self._padded = mode == "padded"
-        structlog.get_logger(__name__).info(
-            "torch engine batching", mode=mode, reason=why, model=model_path
-        )
+        self.path, path_why = choose_path(path, self.device, self.model, record_routing)
+        self._paged: PagedRunner | None = None
+        if self.path == "paged":
+            settings = paged or PagedSettings(16, max_batch_size, 4096, 8192, 0.85, None, True)
+            self._paged = PagedRunner(self.model, settings, self._generator, self._finish_reason)
+            mode, why = "paged", "pages, packed prefill, paged attention"
+        log = structlog.get_logger(__name__)
+        log.info("torch engine path", path=self.path, reason=path_why, model=model_path)
+        log.info("torch engine batching", mode=mode, reason=why, model=model_path)
 
     @property
     def weight_version(self) -> int:
@@ -151,6 +163,9 @@ class TorchRolloutEngine:
         return (result for finished in self.generate(requests) for result in finished)
 
     def _run(self, requests: list[GenerateRequest]) -> Iterator[list[GenerateResult]]:
+        if self._paged is not None:
+            yield from self._run_paged(self._paged, requests)
+            return
         pending = deque(r for r in requests if r.sampling.max_new_tokens > 0)
         empty = [self._result(Row(r), "length") for r in requests if not r.sampling.max_new_tokens]
         if empty:
@@ -169,6 +184,40 @@ class TorchRolloutEngine:
                 batches, finished = self._step(batches, pending)
             if finished:
                 yield finished
+
+    def _run_paged(
+        self, runner: PagedRunner, requests: list[GenerateRequest]
+    ) -> Iterator[list[GenerateResult]]:
+        """The paged loop: this call's requests join the runner's shared schedule; any call's
+        step advances every running request, and each call yields its own as they finish."""
+        empty = [self._result(Row(r), "length") for r in requests if not r.sampling.max_new_tokens]
+        if empty:
+            yield empty
+        with self._lock:
+            pending = runner.add(r for r in requests if r.sampling.max_new_tokens > 0)
+        while pending:
+            if self._paused or self._released:
+                with self._lock:
+                    runner.abort([s for s in pending if s.status is not Status.FINISHED])
+                yield [self._paged_result(s) for s in pending]
+                return
+            with self._lock, torch.inference_mode():
+                if not any(s.status is Status.FINISHED for s in pending):
+                    runner.step()
+            finished = [s for s in pending if s.status is Status.FINISHED]
+            if finished:
+                pending = [s for s in pending if s.status is not Status.FINISHED]
+                yield [self._paged_result(s) for s in finished]
+
+    def _paged_result(self, seq: Sequence) -> GenerateResult:
+        return GenerateResult(
+            request_id=seq.request.request_id,
+            response_ids=seq.response,
+            logprobs=seq.logprobs,
+            finish_reason=seq.finish_reason or "abort",
+            weight_version=self._weight_version,
+            cached_tokens=seq.cached_tokens,
+        )
 
     def _step(
         self, batches: list[Batch], pending: deque[GenerateRequest]
@@ -289,7 +338,7 @@ class TorchRolloutEngine:
         logits: torch.Tensor = out.logits[:, -1]
         return logits
 
-    def _finish_reason(self, row: Row) -> str | None:
+    def _finish_reason(self, row: Row | Sequence) -> str | None:
         sampling = row.request.sampling
         token = row.response[-1]
         if token in self._eos_ids or token in sampling.stop_token_ids:
@@ -337,6 +386,8 @@ class TorchRolloutEngine:
         as it was."""
         with self._lock:
             copy_weights(self.model, named_tensors)
+            if self._paged is not None:
+                self._paged.weights_changed()
             if version is not None:
                 self._weight_version = version
 
@@ -349,6 +400,8 @@ class TorchRolloutEngine:
             if self._adapters is None:
                 self._adapters = AdapterApplier(self.model, scaling)
             self._adapters.apply(adapters)
+            if self._paged is not None:
+                self._paged.weights_changed()
             if version is not None:
                 self._weight_version = version
 
@@ -408,6 +461,8 @@ class TorchRolloutEngine:
     def release_memory(self) -> None:
         with self._lock:
             if self.device.type == "cuda" and not self._released:
+                if self._paged is not None:
+                    self._paged.release()
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
             self._released = True
@@ -416,6 +471,8 @@ class TorchRolloutEngine:
         with self._lock:
             if self.device.type == "cuda" and self._released:
                 self.model.to(self.device)
+                if self._paged is not None:
+                    self._paged.restore()
             self._released = False
 
     def health(self) -> dict[str, Any]:
@@ -427,7 +484,10 @@ class TorchRolloutEngine:
             "model": self.model_path,
             "paused": self._paused,
             "released": self._released,
+            "path": self.path,
         }
+        if self._paged is not None:
+            health["prefix_hit_rate"] = self._paged.prefix_hit_rate
         if self._receiver.report is not None:
             health["weights_format"] = self._receiver.report
         return health

@@ -17,6 +17,7 @@ class SamplingTensors:
     temperature: torch.Tensor  # float32; 0 means greedy
     top_p: torch.Tensor  # float32
     top_k: torch.Tensor  # int64; <= 0 means off
+    min_p: torch.Tensor  # float32; 0 means off
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device) -> SamplingTensors:
@@ -24,15 +25,21 @@ class SamplingTensors:
             temperature=torch.tensor([p.temperature for p in params], device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
             top_k=torch.tensor([p.top_k for p in params], device=device, dtype=torch.int64),
+            min_p=torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32),
         )
 
     def select(self, rows: torch.Tensor) -> SamplingTensors:
-        return SamplingTensors(self.temperature[rows], self.top_p[rows], self.top_k[rows])
+        return SamplingTensors(
+            self.temperature[rows], self.top_p[rows], self.top_k[rows], self.min_p[rows]
+        )
 
     @staticmethod
     def cat(parts: list[SamplingTensors]) -> SamplingTensors:
         return SamplingTensors(
-            *(torch.cat([getattr(p, f) for p in parts]) for f in ("temperature", "top_p", "top_k"))
+            *(
+                torch.cat([getattr(p, f) for p in parts])
+                for f in ("temperature", "top_p", "top_k", "min_p")
+            )
         )
 
 
@@ -71,7 +78,8 @@ def _top_k_top_p(
     """
     vocab, top_k, top_p = logprobs.shape[-1], params.top_k, params.top_p
     k_on = (top_k > 0) & (top_k < vocab)
-    if not bool(k_on.any()) and bool((top_p >= 1).all()):
+    min_p = params.min_p
+    if not bool(k_on.any()) and bool((top_p >= 1).all()) and not bool((min_p > 0).any()):
         return logprobs, None
     width = int(top_k.max()) if bool(k_on.all()) else vocab
     candidates, ids = logprobs.topk(width, dim=-1)  # sorted, largest first
@@ -80,6 +88,7 @@ def _top_k_top_p(
     probs = candidates.softmax(dim=-1)
     # Keep a token while the mass before it is < p; the top token always stays.
     drop = (probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)) & (rank > 0)
+    drop |= probs < min_p.unsqueeze(1) * probs[:, :1]  # min-p: relative to the top token
     return candidates.masked_fill(drop, -inf), ids
 
 

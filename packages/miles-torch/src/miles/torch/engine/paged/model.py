@@ -1,0 +1,173 @@
+"""The fast forward of Llama-shaped decoders (Llama, Qwen2, Qwen3) over the paged KV cache.
+
+It runs on the Hugging Face model's own modules and parameters, with two fusions: each layer's
+q/k/v projections become one matrix and gate/up another. The fused matrices own the storage and
+the Hugging Face parameters become views into them, so weights loaded by Hugging Face name (a
+weight sync, a LoRA merge, a checksum) land in the fused matrices in place: no copy, and CUDA
+graphs captured over them stay valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles.torch.engine.paged.attention import (
+    DecodeMeta,
+    PrefillMeta,
+    decode_attention,
+    prefill_attention,
+    write_kv,
+)
+
+# Families whose decoder layer is: RMSNorm, attention (optional per-head q/k RMSNorm), residual,
+# RMSNorm, gated MLP, residual; RoPE that depends on the position only.
+FAMILIES = ("llama", "qwen2", "qwen3")
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why the paged path cannot run `model` (None: it can)."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"model type {config.model_type!r} has no paged forward yet (have {', '.join(FAMILIES)})"
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        return f"layer types {sorted(layer_types)}: only full attention has a paged forward"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = (
+        rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    )
+    if rope_type not in _STATIC_ROPE:
+        return f"RoPE type {rope_type!r} depends on the sequence length; the paged path needs static RoPE"
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        return f"activation {config.hidden_act!r}: the paged MLP is SiLU-gated"
+    return None
+
+
+def _fuse(weights: list[nn.Parameter]) -> torch.Tensor:
+    """One matrix from the row blocks `weights`; each parameter becomes a view of its block."""
+    fused = torch.cat([w.data for w in weights])
+    start = 0
+    for w in weights:
+        w.data = fused[start : start + w.shape[0]]
+        start += w.shape[0]
+    return fused
+
+
+@dataclass
+class _Layer:
+    input_norm: nn.Module
+    post_norm: nn.Module
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: nn.Linear
+    gate_up: torch.Tensor
+    down: nn.Linear
+
+
+def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    # As transformers' LlamaRMSNorm / Qwen3RMSNorm: normalise in fp32, scale in the input dtype.
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    out: torch.Tensor = norm.weight * x.to(dtype)
+    return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class PagedModel:
+    """Prefill and decode forwards of a supported Hugging Face causal LM over a paged cache."""
+
+    def __init__(self, model: Any, max_context: int) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(reason)
+        config = model.config
+        self.hf = model
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        self.num_layers = config.num_hidden_layers
+        self.dtype = model.dtype
+        self.max_context = max_context
+        self.fuse()
+        positions = torch.arange(max_context, device=model.device).unsqueeze(0)
+        probe = torch.empty(0, dtype=self.dtype, device=model.device)
+        cos, sin = model.model.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0], sin[0]  # [max_context, head_dim]
+
+    def fuse(self) -> None:
+        """(Re)build the fused q/k/v and gate/up matrices; call again after the model moved."""
+        self.layers = []
+        for layer in self.hf.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+            biases = [p.bias for p in projections]
+            self.layers.append(
+                _Layer(
+                    input_norm=layer.input_layernorm,
+                    post_norm=layer.post_attention_layernorm,
+                    q_norm=getattr(attn, "q_norm", None),
+                    k_norm=getattr(attn, "k_norm", None),
+                    qkv=_fuse([p.weight for p in projections]),
+                    qkv_bias=None if biases[0] is None else _fuse(biases),
+                    o_proj=attn.o_proj,
+                    gate_up=_fuse([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    down=mlp.down_proj,
+                )
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: torch.Tensor,
+        meta: PrefillMeta | DecodeMeta,
+        last: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [rows, vocab] for the tokens `input_ids` [tokens] at `positions`, their K/V
+        written into `kv` [layers, 2, pages, page_size, kv_heads, head_dim] on the way; `last`
+        picks the tokens whose logits are wanted (default: all)."""
+        hidden = self.hf.model.embed_tokens(input_ids)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        slots = meta.slots
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        for i, layer in enumerate(self.layers):
+            residual = hidden
+            x = _rms_norm(layer.input_norm, hidden)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+            v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = _rms_norm(layer.q_norm, q), _rms_norm(layer.k_norm, k)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            k_cache, v_cache = kv[i, 0], kv[i, 1]
+            write_kv(k_cache, v_cache, k, v.contiguous(), slots)
+            if isinstance(meta, PrefillMeta):
+                attn = prefill_attention(q, k_cache, v_cache, meta, self.scale)
+            else:
+                attn = decode_attention(q, k_cache, v_cache, meta, self.scale)
+            hidden = residual + layer.o_proj(attn.reshape(-1, q_size))
+            residual = hidden
+            x = _rms_norm(layer.post_norm, hidden)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = residual + layer.down(F.silu(gate) * up)
+        if last is not None:
+            hidden = hidden[last]
+        hidden = self.hf.model.norm(hidden)
+        logits: torch.Tensor = self.hf.lm_head(hidden)
+        return logits

@@ -1,0 +1,227 @@
+"""One step of the paged engine: schedule, build the step's inputs, run the model, sample.
+
+The runner is shared by every `generate` call on the engine: each call adds its requests and
+drives steps until its own have finished, so requests of concurrent calls batch together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from miles.core.types import GenerateRequest
+from miles.torch.engine.paged import kv_cache
+from miles.torch.engine.paged.attention import DecodeMeta, PrefillMeta
+from miles.torch.engine.paged.graphs import DecodeGraphs
+from miles.torch.engine.paged.model import PagedModel
+from miles.torch.engine.paged.pages import PagePool
+from miles.torch.engine.paged.sampling import SamplingBatch, sample
+from miles.torch.engine.paged.scheduler import Scheduler, Step
+from miles.torch.engine.paged.sequence import Sequence, Status
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PagedSettings:
+    page_size: int
+    max_batch_size: int
+    max_context: int
+    max_prefill_tokens: int
+    mem_fraction: float
+    kv_cache_tokens: int | None
+    cuda_graphs: bool
+
+
+class PagedRunner:
+    def __init__(
+        self,
+        hf_model: Any,
+        settings: PagedSettings,
+        generator: torch.Generator,
+        finish_reason: Callable[[Sequence], str | None],
+    ) -> None:
+        self.settings = settings
+        self.device = hf_model.device
+        self.generator = generator
+        self.finish_reason = finish_reason
+        self.model = PagedModel(hf_model, settings.max_context)
+        self.vocab = hf_model.config.vocab_size
+        self._order = 0
+        self.kv: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.scheduler: Scheduler | None = None
+        self.allocate()
+
+    # ── memory ──────────────────────────────────────────────────────────────────────────────────
+    def allocate(self) -> None:
+        s = self.settings
+        pages = kv_cache.plan_pages(
+            self.model,
+            self.device,
+            s.page_size,
+            s.mem_fraction,
+            s.kv_cache_tokens,
+            fallback_tokens=s.max_batch_size * s.max_context,
+        )
+        self.kv = kv_cache.allocate(self.model, pages, s.page_size, self.device)
+        self.pool = PagePool(pages, s.page_size)
+        self.scheduler = Scheduler(self.pool, s.max_batch_size, s.max_prefill_tokens)
+        log.info(
+            "paged KV cache",
+            pages=pages,
+            page_size=s.page_size,
+            tokens=(pages - 1) * s.page_size,
+            gib=round(self.kv.numel() * self.kv.element_size() / 2**30, 2),
+        )
+
+    def release(self) -> None:
+        """Drop the cache and the graphs (no request may be running)."""
+        self.kv = None
+        self.graphs = None
+        self.scheduler = None
+
+    def restore(self) -> None:
+        """After the model is back on the device: fuse its weights again, reallocate the cache;
+        graphs are captured again at the next decode."""
+        self.model.fuse()
+        self.allocate()
+
+    def weights_changed(self) -> None:
+        """Cached prefixes hold K/V of the old weights: forget them."""
+        self.pool.clear_cache()
+
+    # ── requests ────────────────────────────────────────────────────────────────────────────────
+    def add(self, requests: Iterable[GenerateRequest]) -> list[Sequence]:
+        assert self.scheduler is not None
+        seqs = []
+        for request in requests:
+            if (
+                len(request.prompt_ids) + request.sampling.max_new_tokens
+                > self.settings.max_context
+            ):
+                raise ValueError(
+                    f"request {request.request_id}: prompt ({len(request.prompt_ids)} tokens) + "
+                    f"max_new_tokens ({request.sampling.max_new_tokens}) exceed the engine's "
+                    f"max_context {self.settings.max_context}: raise rollout.max_context"
+                )
+            seq = Sequence(request, order=self._order)
+            self._order += 1
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        return seqs
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Take unfinished `seqs` out of the schedule, their pages returned."""
+        assert self.scheduler is not None
+        for seq in seqs:
+            if seq.status is Status.RUNNING:
+                self.scheduler.running.remove(seq)
+                self.pool.release(seq)
+            elif seq in self.scheduler.waiting:
+                self.scheduler.waiting.remove(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.pool.hits / self.pool.lookups if self.pool.lookups else 0.0
+
+    # ── one step ────────────────────────────────────────────────────────────────────────────────
+    def step(self) -> None:
+        """Run one prefill or decode step; finished sequences get status FINISHED."""
+        assert self.scheduler is not None and self.kv is not None
+        step = self.scheduler.schedule()
+        if not step.seqs:
+            return
+        sampled = step.sampled()
+        if step.is_prefill:
+            logits = self._prefill(step)
+            picked = [i for i, s in enumerate(step.seqs) if s in set(sampled)]
+            logits = logits[picked] if len(picked) < len(step.seqs) else logits
+        else:
+            logits = self._decode(step)
+        for seq, n in zip(step.seqs, step.chunks, strict=True):
+            seq.num_computed += n
+        if not sampled:
+            return
+        params = SamplingBatch.build([s.request.sampling for s in sampled], self.vocab, self.device)
+        tokens, logprobs = sample(logits, params, self.generator)
+        for seq, token, logprob in zip(sampled, tokens.tolist(), logprobs.tolist(), strict=True):
+            seq.response.append(token)
+            seq.logprobs.append(logprob)
+            reason = self.finish_reason(seq)
+            if reason is not None:
+                self.pool.register(seq, seq.num_computed)  # for a later turn of the conversation
+                self.scheduler.finish(seq, reason)
+
+    def _prefill(self, step: Step) -> torch.Tensor:
+        assert self.kv is not None
+        size = self.settings.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        key_slots: list[int] = []
+        cu_q, cu_k, last = [0], [0], []
+        for seq, n in zip(step.seqs, step.chunks, strict=True):
+            start, end = seq.num_computed, seq.num_computed + n
+            seq_slots = [seq.pages[p // size] * size + p % size for p in range(end)]
+            ids += seq.tokens[start:end]
+            positions += range(start, end)
+            slots += seq_slots[start:end]
+            key_slots += seq_slots
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + end)
+            last.append(cu_q[-1] - 1)
+        device = self.device
+        meta = PrefillMeta(
+            slots=torch.tensor(slots, device=device),
+            key_slots=torch.tensor(key_slots, device=device),
+            cu_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+            cu_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+            max_q=max(step.chunks),
+            max_k=max(c - p for c, p in zip(cu_k[1:], cu_k, strict=False)),
+            q_lens=list(step.chunks),
+            k_lens=[c - p for c, p in zip(cu_k[1:], cu_k, strict=False)],
+            last=torch.tensor(last, device=device),
+        )
+        return self.model.forward(
+            torch.tensor(ids, device=device),
+            torch.tensor(positions, device=device),
+            self.kv,
+            meta,
+            last=meta.last,
+        )
+
+    def _decode(self, step: Step) -> torch.Tensor:
+        assert self.kv is not None
+        device, seqs = self.device, step.seqs
+        width = max(len(s.pages) for s in seqs)
+        table = torch.tensor(
+            [s.pages + [0] * (width - len(s.pages)) for s in seqs], dtype=torch.int32
+        )
+        lengths = [len(s) for s in seqs]
+        input_ids = torch.tensor([s.tokens[-1] for s in seqs])
+        positions = torch.tensor([n - 1 for n in lengths])
+        seq_lens = torch.tensor(lengths, dtype=torch.int32)
+        if device.type == "cuda" and self.settings.cuda_graphs:
+            if self.graphs is None:
+                self.graphs = self._capture()
+            return self.graphs.run(
+                input_ids.to(device, non_blocking=True),
+                positions.to(device, non_blocking=True),
+                table.to(device, non_blocking=True),
+                seq_lens.to(device, non_blocking=True),
+            )
+        positions = positions.to(device)
+        meta = DecodeMeta(positions, table.to(device), seq_lens.to(device), self.settings.page_size)
+        return self.model.forward(input_ids.to(device), positions, self.kv, meta)
+
+    def _capture(self) -> DecodeGraphs:
+        assert self.kv is not None
+        s = self.settings
+        max_pages = -(-s.max_context // s.page_size)
+        return DecodeGraphs(self.model, self.kv, s.max_batch_size, max_pages, s.page_size)

@@ -1,0 +1,160 @@
+"""The paged engine path (`rollout.path: paged`) on CPU: logprobs against a plain
+transformers forward, greedy outputs against `generate()`, and the same tokens with and without
+preemption, chunked prefill and prefix-cache hits. Its GPU kernels are tested in
+test_engine_paged_gpu.py."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles.core.types import GenerateRequest, SamplingParams
+from miles.torch.engine.engine import TorchRolloutEngine
+from miles.torch.engine.paged.pages import PagePool
+from miles.torch.engine.paged.runner import PagedSettings
+from miles.torch.engine.paged.scheduler import Scheduler
+from miles.torch.engine.paged.sequence import Sequence
+
+torch.set_num_threads(1)
+
+PROMPT_LENS = [5, 17, 9, 2, 30, 11, 1, 23]
+
+
+def settings(**overrides) -> PagedSettings:
+    values = dict(
+        page_size=4,
+        max_batch_size=4,
+        max_context=128,
+        max_prefill_tokens=64,
+        mem_fraction=0.85,
+        kv_cache_tokens=None,
+        cuda_graphs=False,
+    )
+    return PagedSettings(**{**values, **overrides})
+
+
+def paged_engine(path: str, **overrides) -> TorchRolloutEngine:
+    s = settings(**overrides)
+    return TorchRolloutEngine(path, max_batch_size=s.max_batch_size, path="paged", paged=s)
+
+
+def make_requests(sampling: SamplingParams, lens=PROMPT_LENS, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        GenerateRequest(i, torch.randint(3, 128, (n,), generator=g).tolist(), sampling)
+        for i, n in enumerate(lens)
+    ]
+
+
+def run(engine, requests):
+    return {r.request_id: r for r in engine.results(requests)}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_paged_logprobs_match_transformers_forward(tiny_model, temperature):
+    path = tiny_model("qwen3")
+    engine = paged_engine(path)
+    assert engine.health()["path"] == "paged"
+    sampling = SamplingParams(temperature=temperature, top_k=50, max_new_tokens=12)
+    requests = make_requests(sampling)
+    results = run(engine, requests)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    for req in requests:
+        res = results[req.request_id]
+        assert len(res.response_ids) == len(res.logprobs) > 0
+        with torch.no_grad():
+            logits = model(torch.tensor([req.prompt_ids + res.response_ids])).logits[0].float()
+        n = len(req.prompt_ids)
+        ref = torch.log_softmax(logits[n - 1 : -1] / (temperature or 1.0), dim=-1)
+        chosen = ref.gather(1, torch.tensor(res.response_ids).unsqueeze(1)).squeeze(1)
+        torch.testing.assert_close(torch.tensor(res.logprobs), chosen, rtol=0, atol=1e-4)
+
+
+def test_paged_greedy_equals_generate(tiny_model):
+    path = tiny_model("qwen3")
+    requests = make_requests(SamplingParams(temperature=0.0, max_new_tokens=10))
+    results = run(paged_engine(path), requests)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    for req in requests:
+        out = model.generate(
+            torch.tensor([req.prompt_ids]), max_new_tokens=10, do_sample=False, eos_token_id=None
+        )
+        expected = out[0, len(req.prompt_ids) :].tolist()
+        got = results[req.request_id].response_ids
+        assert got == expected[: len(got)] and len(got) in (len(expected), 10)
+
+
+def test_preemption_chunking_and_prefix_hits_change_nothing(tiny_model):
+    """A cache too small for every row (rows preempted and recomputed), prompts prefilled in
+    chunks of 8 tokens, and groups of samples sharing a prompt: the same greedy tokens and
+    logprobs as a roomy run."""
+    path = tiny_model("qwen3")
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=20)
+    prompts = make_requests(sampling, lens=[30, 9, 17, 23])
+    group = [
+        GenerateRequest(10 * p.request_id + i, p.prompt_ids, sampling)
+        for p in prompts
+        for i in range(3)
+    ]
+    roomy = run(paged_engine(path, max_batch_size=16), group)
+    tight = paged_engine(path, max_batch_size=16, kv_cache_tokens=80, max_prefill_tokens=8)
+    squeezed = run(tight, group)
+    assert tight._paged.scheduler.preemptions > 0
+    assert tight._paged.prefix_hit_rate > 0
+    for rid, res in roomy.items():
+        assert squeezed[rid].response_ids == res.response_ids
+        torch.testing.assert_close(
+            torch.tensor(squeezed[rid].logprobs), torch.tensor(res.logprobs), rtol=0, atol=1e-5
+        )
+
+
+def test_a_group_prefills_its_prompt_once_and_a_later_turn_reuses_it(tiny_model):
+    path = tiny_model("qwen3")
+    engine = paged_engine(path, max_batch_size=8)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    prompt = list(range(3, 3 + 21))  # 5 full pages of 4 (the last token is always computed)
+    first = run(engine, [GenerateRequest(i, prompt, sampling) for i in range(4)])
+    assert [first[i].cached_tokens for i in range(4)] == [0, 20, 20, 20]
+    # The next turn: the conversation so far plus a new user message.
+    turn = prompt + first[0].response_ids + [7, 8, 9]
+    second = run(engine, [GenerateRequest(9, turn, sampling)])
+    assert second[9].cached_tokens == (len(prompt) + 6) // 4 * 4
+    # New weights make every cached prefix stale.
+    engine.load_weights([], version=1)
+    third = run(engine, [GenerateRequest(10, turn, sampling)])
+    assert third[10].cached_tokens == 0
+
+
+def test_the_pool_never_hands_out_a_page_twice():
+    pool = PagePool(num_pages=9, page_size=4)
+    scheduler = Scheduler(pool, max_batch_size=8, max_prefill_tokens=100)
+    params = SamplingParams(max_new_tokens=40)
+    seqs = [Sequence(GenerateRequest(i, [i + 3] * 6, params), order=i) for i in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    for _ in range(30):
+        step = scheduler.schedule()
+        for seq, n in zip(step.seqs, step.chunks, strict=True):
+            seq.num_computed += n
+        for seq in step.sampled():
+            seq.response.append(5)
+        owned = [p for s in scheduler.running for p in s.pages]
+        assert len(owned) == len(set(owned)) and 0 not in owned
+        assert len(owned) + pool.num_free == pool.num_pages - 1
+        assert all(len(s.pages) * 4 >= len(s) for s in scheduler.running)
+
+
+def test_a_request_larger_than_the_cache_is_refused_clearly(tiny_model):
+    engine = paged_engine(tiny_model("qwen3"), kv_cache_tokens=16)
+    request = GenerateRequest(0, list(range(3, 40)), SamplingParams(max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="KV pages"):
+        list(engine.results([request]))
+    too_long = GenerateRequest(1, [3] * 120, SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match="max_context"):
+        list(engine.results([too_long]))
+
+
+def test_paged_refuses_a_family_it_has_no_forward_for(tiny_model):
+    with pytest.raises(ValueError, match="no paged forward"):
+        paged_engine(tiny_model("qwen3_moe"))
+    auto = TorchRolloutEngine(tiny_model("qwen3_moe"), path="auto")
+    assert auto.health()["path"] == "hf"
