@@ -78,9 +78,10 @@ def requests(sampling, lens=PROMPT_LENS):
     ]
 
 
-def logprob_error(path, dtype, results, reqs, temperature):
+def transformers_logprobs(path, dtype, results, reqs, temperature):
+    """Per request: log_softmax(logits / T) of its response tokens from a plain forward."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
-    worst = 0.0
+    out = {}
     for req in reqs:
         res = results[req.request_id]
         with torch.no_grad():
@@ -89,9 +90,17 @@ def logprob_error(path, dtype, results, reqs, temperature):
         n = len(req.prompt_ids)
         ref = torch.log_softmax(logits[n - 1 : -1] / (temperature or 1.0), dim=-1)
         chosen = ref.gather(1, torch.tensor(res.response_ids, device="cuda").unsqueeze(1))
-        diff = (torch.tensor(res.logprobs, device="cuda") - chosen.squeeze(1)).abs().max()
-        worst = max(worst, float(diff))
-    return worst
+        out[req.request_id] = chosen.squeeze(1).cpu()
+    return out
+
+
+def max_diff(a, b):
+    return max(float((torch.as_tensor(a[k]) - torch.as_tensor(b[k])).abs().max()) for k in a)
+
+
+def logprob_error(path, dtype, results, reqs, temperature):
+    ref = transformers_logprobs(path, dtype, results, reqs, temperature)
+    return max_diff({k: v.logprobs for k, v in results.items()}, ref)
 
 
 @pytest.mark.parametrize("dtype,atol", [("float32", 1e-4), ("bfloat16", 0.1)])

@@ -33,12 +33,13 @@ class DecodeGraphs:
     ) -> None:
         device = kv.device
         self.model, self.kv, self.page_size = model, kv, page_size
-        self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        # Inputs: token ids and positions in one buffer, filled by one copy from pinned memory.
+        self.inputs = torch.zeros((2, max_batch_size), dtype=torch.int64, device=device)
         self.block_table = torch.full(
             (max_batch_size, max_pages), SCRATCH_PAGE, dtype=torch.int32, device=device
         )
-        self.seq_lens = torch.ones(max_batch_size, dtype=torch.int32, device=device)
+        self.host_inputs = torch.zeros((2, max_batch_size), dtype=torch.int64).pin_memory()
+        self.host_table = torch.zeros((max_batch_size, max_pages), dtype=torch.int32).pin_memory()
         self.sizes = buckets(max_batch_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -53,30 +54,27 @@ class DecodeGraphs:
             self.graphs[size] = graph
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = DecodeMeta(
-            self.positions[:size], self.block_table[:size], self.seq_lens[:size], self.page_size
-        )
-        return self.model.forward(self.input_ids[:size], self.positions[:size], self.kv, meta)
+        ids, positions = self.inputs[0, :size], self.inputs[1, :size]
+        seq_lens = (positions + 1).to(torch.int32)  # inside the graph: one input fewer
+        meta = DecodeMeta(positions, self.block_table[:size], seq_lens, self.page_size)
+        return self.model.forward(ids, positions, self.kv, meta)
 
     def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
+        self, input_ids: list[int], positions: list[int], pages: list[list[int]]
     ) -> torch.Tensor:
-        """Logits [rows, vocab] of one decode step (the inputs as for `DecodeMeta`)."""
-        rows, width = block_table.shape
+        """Logits [rows, vocab] of one decode step: row b feeds `input_ids[b]` at `positions[b]`
+        over its `pages`. Padding rows feed token 0 at position 0 of the scratch page."""
+        rows = len(input_ids)
         size = next(s for s in self.sizes if s >= rows)
-        self.input_ids[:rows].copy_(input_ids)
-        self.positions[:rows].copy_(positions)
-        self.seq_lens[:rows].copy_(seq_lens)
-        self.block_table[:rows, :width].copy_(block_table)
-        self.block_table[:rows, width:].fill_(SCRATCH_PAGE)
-        if size > rows:  # padding rows: one token at position 0 of the scratch page
-            self.input_ids[rows:size].zero_()
-            self.positions[rows:size].zero_()
-            self.seq_lens[rows:size].fill_(1)
-            self.block_table[rows:size].fill_(SCRATCH_PAGE)
+        host = self.host_inputs
+        host[:, rows:size] = 0
+        host[0, :rows] = torch.tensor(input_ids)
+        host[1, :rows] = torch.tensor(positions)
+        table = self.host_table
+        table[:size] = SCRATCH_PAGE
+        for b, row in enumerate(pages):
+            table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        self.inputs[:, :size].copy_(host[:, :size], non_blocking=True)
+        self.block_table[:size].copy_(table[:size], non_blocking=True)
         self.graphs[size].replay()
         return self.outputs[size][:rows]

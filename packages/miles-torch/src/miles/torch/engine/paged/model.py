@@ -23,6 +23,7 @@ from miles.torch.engine.paged.attention import (
     prefill_attention,
     write_kv,
 )
+from miles.torch.engine.paged.fused import qk_norm_rope, rms_norm, silu_mul
 
 # Families whose decoder layer is: RMSNorm, attention (optional per-head q/k RMSNorm), residual,
 # RMSNorm, gated MLP, residual; RoPE that depends on the position only.
@@ -70,21 +71,6 @@ class _Layer:
     o_proj: nn.Linear
     gate_up: torch.Tensor
     down: nn.Linear
-
-
-def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    # As transformers' LlamaRMSNorm / Qwen3RMSNorm: normalise in fp32, scale in the input dtype.
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    out: torch.Tensor = norm.weight * x.to(dtype)
-    return out
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class PagedModel:
@@ -142,32 +128,37 @@ class PagedModel:
         written into `kv` [layers, 2, pages, page_size, kv_heads, head_dim] on the way; `last`
         picks the tokens whose logits are wanted (default: all)."""
         hidden = self.hf.model.embed_tokens(input_ids)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        residual: torch.Tensor | None = None
+        cos, sin = self.cos[positions], self.sin[positions]
         slots = meta.slots
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
-            residual = hidden
-            x = _rms_norm(layer.input_norm, hidden)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
-            v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q, k = _rms_norm(layer.q_norm, q), _rms_norm(layer.k_norm, k)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            x, residual = rms_norm(hidden, *_norm(layer.input_norm), residual)
+            q, k, v = qk_norm_rope(
+                F.linear(x, layer.qkv, layer.qkv_bias),
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                None if layer.q_norm is None else _norm(layer.q_norm),
+                None if layer.k_norm is None else _norm(layer.k_norm),
+                cos,
+                sin,
+            )
             k_cache, v_cache = kv[i, 0], kv[i, 1]
-            write_kv(k_cache, v_cache, k, v.contiguous(), slots)
+            write_kv(k_cache, v_cache, k, v, slots)
             if isinstance(meta, PrefillMeta):
                 attn = prefill_attention(q, k_cache, v_cache, meta, self.scale)
             else:
                 attn = decode_attention(q, k_cache, v_cache, meta, self.scale)
-            hidden = residual + layer.o_proj(attn.reshape(-1, q_size))
-            residual = hidden
-            x = _rms_norm(layer.post_norm, hidden)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = residual + layer.down(F.silu(gate) * up)
+            attn_out = layer.o_proj(attn.reshape(attn.shape[0], -1))
+            x, residual = rms_norm(attn_out, *_norm(layer.post_norm), residual)
+            hidden = layer.down(silu_mul(F.linear(x, layer.gate_up)))
+        assert residual is not None
         if last is not None:
-            hidden = hidden[last]
-        hidden = self.hf.model.norm(hidden)
+            hidden, residual = hidden[last], residual[last]
+        hidden, _ = rms_norm(hidden, *_norm(self.hf.model.norm), residual)
         logits: torch.Tensor = self.hf.lm_head(hidden)
         return logits
+
+
+def _norm(module: Any) -> tuple[torch.Tensor, float]:
+    return module.weight, float(module.variance_epsilon)

@@ -52,6 +52,8 @@ class PagedRunner:
         self.model = PagedModel(hf_model, settings.max_context)
         self.vocab = hf_model.config.vocab_size
         self._order = 0
+        self._sampling_rows: list[Sequence] = []
+        self._sampling_batch: SamplingBatch | None = None
         self.kv: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.scheduler: Scheduler | None = None
@@ -148,7 +150,7 @@ class PagedRunner:
             seq.num_computed += n
         if not sampled:
             return
-        params = SamplingBatch.build([s.request.sampling for s in sampled], self.vocab, self.device)
+        params = self._sampling(sampled)
         tokens, logprobs = sample(logits, params, self.generator)
         for seq, token, logprob in zip(sampled, tokens.tolist(), logprobs.tolist(), strict=True):
             seq.response.append(token)
@@ -157,6 +159,18 @@ class PagedRunner:
             if reason is not None:
                 self.pool.register(seq, seq.num_computed)  # for a later turn of the conversation
                 self.scheduler.finish(seq, reason)
+
+    def _sampling(self, rows: list[Sequence]) -> SamplingBatch:
+        """The rows' sampling tensors, rebuilt only when the rows change (not every step)."""
+        same = len(rows) == len(self._sampling_rows) and all(
+            a is b for a, b in zip(rows, self._sampling_rows, strict=True)
+        )
+        if not same:
+            params = [s.request.sampling for s in rows]
+            self._sampling_batch = SamplingBatch.build(params, self.vocab, self.device)
+            self._sampling_rows = list(rows)
+        assert self._sampling_batch is not None
+        return self._sampling_batch
 
     def _prefill(self, step: Step) -> torch.Tensor:
         assert self.kv is not None
@@ -199,26 +213,22 @@ class PagedRunner:
     def _decode(self, step: Step) -> torch.Tensor:
         assert self.kv is not None
         device, seqs = self.device, step.seqs
-        width = max(len(s.pages) for s in seqs)
-        table = torch.tensor(
-            [s.pages + [0] * (width - len(s.pages)) for s in seqs], dtype=torch.int32
-        )
-        lengths = [len(s) for s in seqs]
-        input_ids = torch.tensor([s.tokens[-1] for s in seqs])
-        positions = torch.tensor([n - 1 for n in lengths])
-        seq_lens = torch.tensor(lengths, dtype=torch.int32)
+        input_ids = [s.tokens[-1] for s in seqs]
+        positions = [len(s) - 1 for s in seqs]
         if device.type == "cuda" and self.settings.cuda_graphs:
             if self.graphs is None:
                 self.graphs = self._capture()
-            return self.graphs.run(
-                input_ids.to(device, non_blocking=True),
-                positions.to(device, non_blocking=True),
-                table.to(device, non_blocking=True),
-                seq_lens.to(device, non_blocking=True),
-            )
-        positions = positions.to(device)
-        meta = DecodeMeta(positions, table.to(device), seq_lens.to(device), self.settings.page_size)
-        return self.model.forward(input_ids.to(device), positions, self.kv, meta)
+            return self.graphs.run(input_ids, positions, [s.pages for s in seqs])
+        width = max(len(s.pages) for s in seqs)
+        table = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
+        pos = torch.tensor(positions, device=device)
+        meta = DecodeMeta(
+            pos,
+            torch.tensor(table, dtype=torch.int32, device=device),
+            (pos + 1).to(torch.int32),
+            self.settings.page_size,
+        )
+        return self.model.forward(torch.tensor(input_ids, device=device), pos, self.kv, meta)
 
     def _capture(self) -> DecodeGraphs:
         assert self.kv is not None
