@@ -40,6 +40,7 @@ class DecodeGraphs:
         )
         self.host_inputs = torch.zeros((2, max_batch_size), dtype=torch.int64).pin_memory()
         self.host_table = torch.zeros((max_batch_size, max_pages), dtype=torch.int32).pin_memory()
+        self._host_inputs, self._host_table = self.host_inputs.numpy(), self.host_table.numpy()
         self.sizes = buckets(max_batch_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -66,15 +67,14 @@ class DecodeGraphs:
         over its `pages`. Padding rows feed token 0 at position 0 of the scratch page."""
         rows = len(input_ids)
         size = next(s for s in self.sizes if s >= rows)
-        host = self.host_inputs
+        host, table = self._host_inputs, self._host_table  # numpy views of the pinned buffers
         host[:, rows:size] = 0
-        host[0, :rows] = torch.tensor(input_ids)
-        host[1, :rows] = torch.tensor(positions)
-        table = self.host_table
+        host[0, :rows] = input_ids
+        host[1, :rows] = positions
         table[:size] = SCRATCH_PAGE
         for b, row in enumerate(pages):
-            table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        self.inputs[:, :size].copy_(host[:, :size], non_blocking=True)
-        self.block_table[:size].copy_(table[:size], non_blocking=True)
+            table[b, : len(row)] = row
+        self.inputs[:, :size].copy_(self.host_inputs[:, :size], non_blocking=True)
+        self.block_table[:size].copy_(self.host_table[:size], non_blocking=True)
         self.graphs[size].replay()
         return self.outputs[size][:rows]

@@ -152,7 +152,11 @@ class PagedRunner:
             return
         params = self._sampling(sampled)
         tokens, logprobs = sample(logits, params, self.generator)
-        for seq, token, logprob in zip(sampled, tokens.tolist(), logprobs.tolist(), strict=True):
+        # One transfer, one wait: token ids are exact in float64.
+        drawn = torch.stack([tokens.double(), logprobs.double()]).cpu().numpy()
+        for seq, token, logprob in zip(
+            sampled, drawn[0].astype(int).tolist(), drawn[1].tolist(), strict=True
+        ):
             seq.response.append(token)
             seq.logprobs.append(logprob)
             reason = self.finish_reason(seq)
