@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache: K/V writes, packed prefill and decode.
+"""Attention over the paged KV cache: packed prefill and decode (K/V are written by `fused`).
 
 The cache of one layer is a pair of [num_pages, page_size, kv_heads, head_dim] tensors; a token's
 slot is page * page_size + offset. On CUDA, prefill runs torch's variable-length FlashAttention
@@ -47,18 +47,6 @@ class DecodeMeta:
     def slots(self) -> torch.Tensor:
         page = self.block_table.gather(1, (self.positions // self.page_size).unsqueeze(1))
         return page.squeeze(1).long() * self.page_size + self.positions % self.page_size
-
-
-def write_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:
-    """Store new tokens' K/V ([tokens, kv_heads, head_dim]) at their cache slots."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
 def prefill_attention(

@@ -56,19 +56,20 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(
-        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
+        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr,
         stride_qkv, stride_cs, eps,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
     ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)  # 0 .. HEADS + 2 * KV_HEADS - 1: q heads, k heads, v heads
+        slot = tl.load(slots_ptr + token)  # where this token's K/V go in the cache
         half = tl.arange(0, D // 2)
         base = qkv_ptr + token * stride_qkv + head * D
         lo = tl.load(base + half)
         hi = tl.load(base + D // 2 + half)
         dtype = lo.dtype
-        if head >= HEADS + KV_HEADS:  # v: a plain copy
-            out = v_ptr + (token * KV_HEADS + head - HEADS - KV_HEADS) * D
+        if head >= HEADS + KV_HEADS:  # v: a plain copy into the cache
+            out = v_ptr + (slot * KV_HEADS + head - HEADS - KV_HEADS) * D
             tl.store(out + half, lo)
             tl.store(out + D // 2 + half, hi)
         else:
@@ -92,7 +93,7 @@ if triton is not None:
             if head < HEADS:
                 out = q_ptr + (token * HEADS + head) * D
             else:
-                out = k_ptr + (token * KV_HEADS + head - HEADS) * D
+                out = k_ptr + (slot * KV_HEADS + head - HEADS) * D
             tl.store(out + half, new_lo.to(dtype))
             tl.store(out + D // 2 + half, new_hi.to(dtype))
 
@@ -130,7 +131,7 @@ def rms_norm(
     return out, res_out
 
 
-def qk_norm_rope(
+def qk_norm_rope_store(
     qkv: torch.Tensor,
     heads: int,
     kv_heads: int,
@@ -139,9 +140,13 @@ def qk_norm_rope(
     k_norm: tuple[torch.Tensor, float] | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split fused q/k/v rows [tokens, (heads + 2 kv_heads) * head_dim] into q [tokens, heads, D],
-    k and v [tokens, kv_heads, D]; q and k get their per-head RMSNorm (Qwen3) and RoPE."""
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Split fused q/k/v rows [tokens, (heads + 2 kv_heads) * head_dim]; q and k get their
+    per-head RMSNorm (Qwen3) and RoPE; k and v go straight into their cache slots (caches
+    [pages, page_size, kv_heads, head_dim]). Returns q [tokens, heads, head_dim]."""
     tokens = qkv.shape[0]
     if not (qkv.is_cuda and triton is not None):
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -151,19 +156,19 @@ def qk_norm_rope(
         if q_norm is not None and k_norm is not None:
             q, k = _torch_rms_norm(q, *q_norm), _torch_rms_norm(k, *k_norm)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        return _torch_rope(q, c, s), _torch_rope(k, c, s), v
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, _torch_rope(k, c, s))
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+        return _torch_rope(q, c, s)
     q = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((tokens, kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    v = torch.empty_like(k)
     has_norm = q_norm is not None and k_norm is not None
     q_weight, eps = q_norm if q_norm is not None else (qkv, 0.0)
     k_weight = k_norm[0] if k_norm is not None else qkv
     _qk_norm_rope_kernel[(tokens, heads + 2 * kv_heads)](
-        qkv, q_weight, k_weight, cos, sin, q, k, v,
+        qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slots,
         qkv.stride(0), cos.stride(0), eps,
         HEADS=heads, KV_HEADS=kv_heads, D=head_dim, HAS_NORM=has_norm,
     )  # fmt: skip
-    return q, k, v
+    return q
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

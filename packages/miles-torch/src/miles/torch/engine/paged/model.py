@@ -21,9 +21,8 @@ from miles.torch.engine.paged.attention import (
     PrefillMeta,
     decode_attention,
     prefill_attention,
-    write_kv,
 )
-from miles.torch.engine.paged.fused import qk_norm_rope, rms_norm, silu_mul
+from miles.torch.engine.paged.fused import qk_norm_rope_store, rms_norm, silu_mul
 
 # Families whose decoder layer is: RMSNorm, attention (optional per-head q/k RMSNorm), residual,
 # RMSNorm, gated MLP, residual; RoPE that depends on the position only.
@@ -133,7 +132,8 @@ class PagedModel:
         slots = meta.slots
         for i, layer in enumerate(self.layers):
             x, residual = rms_norm(hidden, *_norm(layer.input_norm), residual)
-            q, k, v = qk_norm_rope(
+            k_cache, v_cache = kv[i, 0], kv[i, 1]
+            q = qk_norm_rope_store(
                 F.linear(x, layer.qkv, layer.qkv_bias),
                 self.num_heads,
                 self.num_kv_heads,
@@ -142,9 +142,10 @@ class PagedModel:
                 None if layer.k_norm is None else _norm(layer.k_norm),
                 cos,
                 sin,
+                k_cache,
+                v_cache,
+                slots,
             )
-            k_cache, v_cache = kv[i, 0], kv[i, 1]
-            write_kv(k_cache, v_cache, k, v, slots)
             if isinstance(meta, PrefillMeta):
                 attn = prefill_attention(q, k_cache, v_cache, meta, self.scale)
             else:
