@@ -3,17 +3,22 @@
 A graph replays a whole decode forward (every layer, attention included) as one launch, which
 is what makes small-batch decode fast: the many small kernels of a step cost their launch time
 otherwise. Inputs live in static buffers; a batch of n rows runs the smallest bucket >= n, with
-its padding rows pointed at the scratch page. Graphs are captured lazily, on the first decode,
-and dropped when the engine releases its memory.
+its padding rows pointed at the scratch page. Each size is captured when first needed, and all
+are dropped when the engine releases its memory.
 """
 
 from __future__ import annotations
 
+import time
+
+import structlog
 import torch
 
 from miles.torch.engine.paged.attention import DecodeMeta
 from miles.torch.engine.paged.model import PagedModel
 from miles.torch.engine.paged.pages import SCRATCH_PAGE
+
+log = structlog.get_logger(__name__)
 
 
 def buckets(max_batch_size: int) -> list[int]:
@@ -44,15 +49,22 @@ class DecodeGraphs:
         self.sizes = buckets(max_batch_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        pool = None
-        for size in reversed(self.sizes):  # the largest first, so the smaller reuse its pool
-            self._forward(size)  # warm-up (Triton compiles, cuBLAS picks kernels) outside capture
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
+        self.capture_s = 0.0  # time spent capturing so far
+        self._pool = torch.cuda.graph_pool_handle()  # one memory pool shared by every graph
+
+    def capture(self, size: int) -> None:
+        """Capture the decode graph of `size` rows (each size when first needed: a run that
+        keeps 64 rows busy captures one graph, not every bucket)."""
+        start = time.perf_counter()
+        self._forward(size)  # warm-up (Triton compiles, cuBLAS picks kernels) outside capture
+        torch.cuda.synchronize(self.kv.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.outputs[size] = self._forward(size)
+        self.graphs[size] = graph
+        took = time.perf_counter() - start
+        self.capture_s += took
+        log.info("decode graph captured", rows=size, seconds=round(took, 3))
 
     def _forward(self, size: int) -> torch.Tensor:
         ids, positions = self.inputs[0, :size], self.inputs[1, :size]
@@ -76,5 +88,7 @@ class DecodeGraphs:
             table[b, : len(row)] = row
         self.inputs[:, :size].copy_(self.host_inputs[:, :size], non_blocking=True)
         self.block_table[:size].copy_(self.host_table[:size], non_blocking=True)
+        if size not in self.graphs:
+            self.capture(size)
         self.graphs[size].replay()
         return self.outputs[size][:rows]

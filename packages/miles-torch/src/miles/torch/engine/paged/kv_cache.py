@@ -2,7 +2,8 @@
 
 On a GPU its size follows SGLang's `mem_fraction_static`: the engine's weights plus its cache may
 take `mem_fraction` of the device's memory, counted from what the device has free when the cache
-is made (a colocated trainer's share stays out of it). `kv_cache_tokens` sets the size instead.
+is made (a colocated trainer's share stays out of it), and never more than `max_batch_size` rows
+of `max_context` tokens need. `kv_cache_tokens` sets the size instead.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def plan_pages(
     """How many pages to allocate (page 0, the scratch page, included)."""
     if kv_cache_tokens is not None:
         return -(-kv_cache_tokens // page_size) + 1
+    enough = -(-fallback_tokens // page_size) + 1  # every row at its longest: no need for more
     if device.type != "cuda":
-        return -(-fallback_tokens // page_size) + 1
+        return enough
     free, total = torch.cuda.mem_get_info(device)
     weights = sum(p.numel() * p.element_size() for p in model.hf.parameters())
     budget = min(free, int(total * mem_fraction) - weights)
@@ -41,7 +43,7 @@ def plan_pages(
             f"{weights / 2**30:.1f} GiB and mem_fraction is {mem_fraction}: raise "
             "rollout.mem_fraction or free the device"
         )
-    return pages
+    return min(pages, enough)
 
 
 def allocate(
