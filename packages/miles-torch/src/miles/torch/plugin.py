@@ -60,6 +60,7 @@ def make_engine(config: TorchEngineConfig, setup: RolloutSetup) -> Any:
             mem_fraction=config.mem_fraction,
             kv_cache_tokens=config.kv_cache_tokens,
             cuda_graphs=config.cuda_graphs,
+            decode_burst=config.decode_burst,
         ),
     )
 

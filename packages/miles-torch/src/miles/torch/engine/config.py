@@ -38,13 +38,22 @@ class TorchEngineConfig:
     max_prefill_tokens: int = 8192
     # Paged path on GPU: capture decode steps as CUDA graphs.
     cuda_graphs: bool = True
+    # Paged path: decode steps run back to back before the host reads the sampled tokens (a
+    # row that stops inside a burst drops the tokens it sampled after its stop).
+    decode_burst: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.path not in ("auto", "paged", "hf"):
             raise ValueError(f"path must be auto, paged or hf, got {self.path!r}")
-        for name in ("max_batch_size", "page_size", "max_context", "max_prefill_tokens"):
+        for name in (
+            "max_batch_size",
+            "page_size",
+            "max_context",
+            "max_prefill_tokens",
+            "decode_burst",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.mem_fraction <= 1:

@@ -50,6 +50,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0  # time spent capturing so far
+        self._rows = self._size = 0  # the rows and graph of the last `run`
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool shared by every graph
 
     def capture(self, size: int) -> None:
@@ -90,5 +91,15 @@ class DecodeGraphs:
         self.block_table[:size].copy_(self.host_table[:size], non_blocking=True)
         if size not in self.graphs:
             self.capture(size)
+        self._rows, self._size = rows, size
+        self.graphs[size].replay()
+        return self.outputs[size][:rows]
+
+    def advance(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The next decode step of the rows `run` last fed: each feeds its `tokens` [rows]
+        (on the device) one position further, over the pages it already had."""
+        rows, size = self._rows, self._size
+        self.inputs[0, :rows].copy_(tokens)
+        self.inputs[1, :rows] += 1
         self.graphs[size].replay()
         return self.outputs[size][:rows]

@@ -35,6 +35,7 @@ class PagedSettings:
     mem_fraction: float
     kv_cache_tokens: int | None
     cuda_graphs: bool
+    decode_burst: int = 8  # with CUDA graphs: decode steps between two looks of the host
 
 
 class PagedRunner:
@@ -134,11 +135,17 @@ class PagedRunner:
 
     # ── one step ────────────────────────────────────────────────────────────────────────────────
     def step(self) -> None:
-        """Run one prefill or decode step; finished sequences get status FINISHED."""
+        """Run one prefill step, or one decode step (with CUDA graphs, a burst of several);
+        finished sequences get status FINISHED."""
         assert self.scheduler is not None and self.kv is not None
         step = self.scheduler.schedule()
         if not step.seqs:
             return
+        if not step.is_prefill:
+            burst = self._burst_length(step.seqs)
+            if burst > 1:
+                self._decode_burst(step.seqs, burst)
+                return
         sampled = step.sampled()
         if step.is_prefill:
             logits = self._prefill(step)
@@ -150,19 +157,65 @@ class PagedRunner:
             seq.num_computed += n
         if not sampled:
             return
-        params = self._sampling(sampled)
-        tokens, logprobs = sample(logits, params, self.generator)
+        tokens, logprobs = sample(logits, self._sampling(sampled), self.generator)
         # One transfer, one wait: token ids are exact in float64.
         drawn = torch.stack([tokens.double(), logprobs.double()]).cpu().numpy()
         for seq, token, logprob in zip(
             sampled, drawn[0].astype(int).tolist(), drawn[1].tolist(), strict=True
         ):
-            seq.response.append(token)
-            seq.logprobs.append(logprob)
-            reason = self.finish_reason(seq)
-            if reason is not None:
-                self.pool.register(seq, seq.num_computed)  # for a later turn of the conversation
-                self.scheduler.finish(seq, reason)
+            self._take(seq, token, logprob)
+
+    def _take(self, seq: Sequence, token: int, logprob: float) -> bool:
+        """Append a sampled token; True (and the sequence finished) when it ends the request."""
+        seq.response.append(token)
+        seq.logprobs.append(logprob)
+        reason = self.finish_reason(seq)
+        if reason is None:
+            return False
+        assert self.scheduler is not None
+        self.pool.register(seq, seq.num_computed)  # for a later turn of the conversation
+        self.scheduler.finish(seq, reason)
+        return True
+
+    @property
+    def _graphed(self) -> bool:
+        return self.device.type == "cuda" and self.settings.cuda_graphs
+
+    def _burst_length(self, seqs: list[Sequence]) -> int:
+        """How many decode steps to run before the host looks at the tokens: up to
+        `decode_burst`, no more than any row may still make, and only while pages last."""
+        room = min(s.request.sampling.max_new_tokens - len(s.response) for s in seqs)
+        burst = min(self.settings.decode_burst, room)
+        if burst <= 1:
+            return 1
+        needed = sum(self.pool.pages_for(len(s) + burst - 1) - len(s.pages) for s in seqs)
+        if needed > self.pool.num_free:
+            return 1
+        for seq in seqs:
+            self.pool.grow(seq, len(seq) + burst - 1)
+        return burst
+
+    def _decode_burst(self, seqs: list[Sequence], burst: int) -> None:
+        """`burst` decode steps back to back on the device: each step's sampled tokens feed the
+        next through the graphs' input buffer, and the host waits once, at the end. Tokens a
+        row sampled after its stop are dropped (their K/V sit in pages the row then returns)."""
+        params = self._sampling(seqs)
+        rows = len(seqs)
+        tokens = torch.empty((burst, rows), dtype=torch.float64, device=self.device)
+        logprobs = torch.empty_like(tokens)
+        logits = self._decode_rows(seqs)
+        for i in range(burst):
+            sampled, logprob = sample(logits, params, self.generator)
+            tokens[i], logprobs[i] = sampled, logprob
+            if i + 1 < burst:
+                logits = self._advance(seqs, sampled, step=i + 1)
+        drawn = torch.stack([tokens, logprobs]).cpu().numpy()
+        ids = drawn[0].astype(int)
+        for j, seq in enumerate(seqs):
+            for i in range(burst):
+                seq.num_computed += 1  # the token fed at step i
+                if self._take(seq, int(ids[i, j]), float(drawn[1, i, j])):
+                    break
 
     def _sampling(self, rows: list[Sequence]) -> SamplingBatch:
         """The rows' sampling tensors, rebuilt only when the rows change (not every step)."""
@@ -215,11 +268,15 @@ class PagedRunner:
         )
 
     def _decode(self, step: Step) -> torch.Tensor:
+        return self._decode_rows(step.seqs)
+
+    def _decode_rows(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits of one decode step of `seqs` (each feeds its last token)."""
         assert self.kv is not None
-        device, seqs = self.device, step.seqs
+        device = self.device
         input_ids = [s.tokens[-1] for s in seqs]
         positions = [len(s) - 1 for s in seqs]
-        if device.type == "cuda" and self.settings.cuda_graphs:
+        if self._graphed:
             if self.graphs is None:
                 self.graphs = self._capture()
             return self.graphs.run(input_ids, positions, [s.pages for s in seqs])
@@ -233,6 +290,24 @@ class PagedRunner:
             self.settings.page_size,
         )
         return self.model.forward(torch.tensor(input_ids, device=device), pos, self.kv, meta)
+
+    def _advance(self, seqs: list[Sequence], tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """Logits of the burst's next decode step: each row feeds `tokens` `step` positions
+        after its last token."""
+        if self._graphed:
+            assert self.graphs is not None
+            return self.graphs.advance(tokens)
+        assert self.kv is not None
+        width = max(len(s.pages) for s in seqs)
+        table = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
+        pos = torch.tensor([len(s) - 1 + step for s in seqs], device=self.device)
+        meta = DecodeMeta(
+            pos,
+            torch.tensor(table, dtype=torch.int32, device=self.device),
+            (pos + 1).to(torch.int32),
+            self.settings.page_size,
+        )
+        return self.model.forward(tokens, pos, self.kv, meta)
 
     def _capture(self) -> DecodeGraphs:
         assert self.kv is not None
