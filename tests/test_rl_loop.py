@@ -34,8 +34,16 @@ REQUIRED_METRICS = {
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory, tiny_assets: dict[str, str]) -> Path:
+    """The tiny run, on the native engine's paged path (on CPU the other tests get the hf path
+    by default): its logprobs must agree with training's, and a group's samples share their
+    prompt's KV pages."""
     root = tmp_path_factory.mktemp("run")
-    cfg = write_config(root / "cfg.yaml", tiny_assets, checkpoint={"every": 1, "keep_last": 2})
+    cfg = write_config(
+        root / "cfg.yaml",
+        tiny_assets,
+        checkpoint={"every": 1, "keep_last": 2},
+        rollout={"path": "paged", "page_size": 4},
+    )
     run_dir = root / "run"
     proc = run_miles("run", str(cfg), "--run-dir", str(run_dir), "--set", "steps=3")
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -57,6 +65,8 @@ def test_run_directory_contract(finished_run: Path) -> None:
     for row in rows:
         assert row.keys() >= REQUIRED_METRICS, REQUIRED_METRICS - row.keys()
     assert [r["weights/version"] for r in rows] == [1, 2, 3]
+    # 4 samples per prompt: the last 3 of each group find its prompt's full pages cached.
+    assert all(r["rollout/prefix_hit_rate"] > 0.3 for r in rows), rows
 
 
 def test_step0_train_and_rollout_logprobs_agree(finished_run: Path) -> None:

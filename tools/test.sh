@@ -23,9 +23,19 @@ mypy_packages=()
 for d in packages/*/src/miles/*/; do
   name=$(basename "$d"); [[ $name == __* ]] || mypy_packages+=(-p "miles.$name")
 done
-echo "== mypy (every package)" && mypy "${mypy_packages[@]}"
+# mypy runs beside the tests (a minute of one core that the test runs, waiting on process
+# start-ups much of the time, leave free); its verdict is checked after them.
+echo "== mypy (every package), in the background"
+mypy_log=$(mktemp)
+mypy "${mypy_packages[@]}" >"$mypy_log" 2>&1 &
+mypy_pid=$!
 # Two workers (MILES_TEST_WORKERS=0: one process); a file's tests stay on one worker, so its
 # module fixtures (shared runs) are made once.
 workers=${MILES_TEST_WORKERS:-2}
 xdist=(); [ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadfile)
-echo "== pytest" && python -m pytest "${xdist[@]}" "$@"
+status=0
+echo "== pytest" && python -m pytest "${xdist[@]}" "$@" || status=$?
+echo "== mypy (every package)"
+if wait "$mypy_pid"; then cat "$mypy_log"; else cat "$mypy_log"; status=1; fi
+rm -f "$mypy_log"
+exit "$status"

@@ -104,6 +104,9 @@ class EngineDispatcher:
         self.requeued = 0  # requests sent again after an engine failure or a weight update
         self._busy_since: float | None = None
         self.busy_s = 0.0  # wall time with at least one request on an engine
+        # Prompt tokens sent, and those the engines found in their prefix caches.
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
 
     # ── the rollout functions' side ──────────────────────────────────────────────────────────────
 
@@ -113,7 +116,10 @@ class EngineDispatcher:
         pending = [_Pending(r, loop.create_future(), trace) for r in requests]
         self._queue.extend(pending)
         self._schedule_flush()
-        return list(await asyncio.gather(*(p.future for p in pending)))
+        results = list(await asyncio.gather(*(p.future for p in pending)))
+        self.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
+        self.cached_tokens += sum(r.cached_tokens for r in results)
+        return results
 
     # ── the engine group's side ──────────────────────────────────────────────────────────────────
 

@@ -81,6 +81,7 @@ class RolloutManager:
         self._since = time.perf_counter()  # for the idle fraction, since the last take
         self._busy_at_take = 0.0
         self._requeued_at_take = 0
+        self._cached_at_take = self._prompt_at_take = 0
 
     # ── the engine group's side ──────────────────────────────────────────────────────────────────
 
@@ -157,6 +158,10 @@ class RolloutManager:
                 "async/stale_groups": float(stale),
                 "async/stale_regenerated": float(regenerated),
                 "async/requeued": float(dispatcher.requeued - self._requeued_at_take),
+                # Share of the step's prompt tokens whose KV an engine had cached (a group's
+                # shared prompt, an earlier turn); 0 for engines that cache none.
+                "rollout/prefix_hit_rate": (dispatcher.cached_tokens - self._cached_at_take)
+                / max(dispatcher.prompt_tokens - self._prompt_at_take, 1),
                 "perf/rollout_idle_frac": min(max(1.0 - busy / wall, 0.0), 1.0),
                 "fault/engine_restarts": float(dispatcher.routes.restarts),
                 "fault/engines_dropped": float(dispatcher.routes.dropped),
@@ -165,6 +170,8 @@ class RolloutManager:
         )
         self._since, self._busy_at_take = now, dispatcher.busy_s
         self._requeued_at_take = dispatcher.requeued
+        self._cached_at_take = dispatcher.cached_tokens
+        self._prompt_at_take = dispatcher.prompt_tokens
         return metrics
 
     async def finish_in_flight(self) -> None:
