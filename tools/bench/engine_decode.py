@@ -60,10 +60,10 @@ def hbm_bandwidth(gib: float = 4.0, repeats: int = 20) -> float:
 def bench(engine: TorchRolloutEngine, batch: int, context: int, decode_steps: int) -> dict | None:
     runner = engine._paged
     assert runner is not None
-    if batch * runner.pool.pages_for(context + decode_steps + 1) > runner.pool.num_pages - 1:
+    if batch * runner.pool.pages_for(context + decode_steps + 32) > runner.pool.num_pages - 1:
         return None  # the cache cannot hold every row at once: preemption would be timed
     g = torch.Generator().manual_seed(batch * 7 + context)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=decode_steps + 1)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=decode_steps + 32)
     requests = [
         GenerateRequest(i, torch.randint(200, 150000, (context,), generator=g).tolist(), sampling)
         for i in range(batch)
@@ -79,13 +79,16 @@ def bench(engine: TorchRolloutEngine, batch: int, context: int, decode_steps: in
     for _ in range(warmup):
         runner.step()
     torch.cuda.synchronize()
+    made = len(seqs[0].response)
     t = time.perf_counter()
-    steps = 0
-    while all(s.finish_reason is None for s in seqs) and steps < decode_steps - warmup - 1:
+    calls = 0
+    # A call may run several decode steps (rollout.decode_burst): count the tokens made.
+    while all(s.finish_reason is None for s in seqs) and calls < decode_steps:
         runner.step()
-        steps += 1
+        calls += 1
     torch.cuda.synchronize()
-    step_s = (time.perf_counter() - t) / steps
+    steps = len(seqs[0].response) - made
+    step_s = (time.perf_counter() - t) / max(steps, 1)
     parts = {"replay_s": float("nan"), "sample_s": float("nan")}
     if runner.graphs is not None:  # the step's parts: the graph replay alone, sampling alone
         size = next(s for s in runner.graphs.sizes if s >= batch)
@@ -124,7 +127,7 @@ def main() -> None:
     settings = PagedSettings(
         page_size=16,
         max_batch_size=max(batches),
-        max_context=max(contexts) + args.decode_steps + 16,
+        max_context=max(contexts) + args.decode_steps + 48,
         max_prefill_tokens=32768,
         mem_fraction=0.92,
         kv_cache_tokens=None,
