@@ -158,3 +158,31 @@ def test_paged_refuses_a_family_it_has_no_forward_for(tiny_model):
         paged_engine(tiny_model("qwen3_moe"))
     auto = TorchRolloutEngine(tiny_model("qwen3_moe"), path="auto")
     assert auto.health()["path"] == "hf"
+
+
+def test_pause_hands_back_unfinished_requests_and_frees_their_pages(tiny_model):
+    engine = paged_engine(tiny_model("qwen3"), max_batch_size=4)
+    lens = [4, 40, 9, 30, 11, 7]  # more requests than rows: some are still waiting
+    requests = [
+        GenerateRequest(
+            i,
+            list(range(3, 3 + n)),
+            SamplingParams(temperature=0.0, max_new_tokens=2 if i == 0 else 30),
+        )
+        for i, n in enumerate(lens)
+    ]
+    stream = engine.generate(requests)
+    first = next(stream)
+    assert [r.request_id for r in first] == [0] and first[0].finish_reason == "length"
+    engine.pause()
+    rest = {r.request_id: r for batch in stream for r in batch}
+    assert sorted(rest) == [1, 2, 3, 4, 5]
+    assert all(r.finish_reason == "abort" for r in rest.values())
+    assert any(r.response_ids for r in rest.values())  # running rows keep their tokens so far
+    runner = engine._paged
+    assert runner.pool.num_free == runner.pool.num_pages - 1
+    with pytest.raises(RuntimeError, match="paused"):
+        engine.generate(requests)
+    engine.resume()
+    again = run(engine, requests[:2])
+    assert [again[i].finish_reason for i in (0, 1)] == ["length", "length"]

@@ -83,7 +83,10 @@ class PagedRunner:
         )
 
     def release(self) -> None:
-        """Drop the cache and the graphs (no request may be running)."""
+        """Drop the cache and the graphs; requests still scheduled end as "abort"."""
+        if self.scheduler is not None:
+            for seq in self.scheduler.drain():
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
         self.kv = None
         self.graphs = None
         self.scheduler = None
@@ -120,9 +123,10 @@ class PagedRunner:
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Take unfinished `seqs` out of the schedule, their pages returned."""
-        assert self.scheduler is not None
         for seq in seqs:
-            if seq.status is Status.RUNNING:
+            if self.scheduler is None:  # released: the schedule is gone already
+                pass
+            elif seq.status is Status.RUNNING:
                 self.scheduler.running.remove(seq)
                 self.pool.release(seq)
             elif seq in self.scheduler.waiting:

@@ -75,6 +75,7 @@ class Scheduler:
                 seqs.append(seq)
                 chunks.append(min(seq.num_uncomputed, budget))
                 budget -= chunks[-1]
+                self.pool.register(seq, seq.num_computed + chunks[-1])
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             if not self.pool.can_admit(seq):
