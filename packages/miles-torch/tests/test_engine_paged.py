@@ -186,3 +186,47 @@ def test_pause_hands_back_unfinished_requests_and_frees_their_pages(tiny_model):
     engine.resume()
     again = run(engine, requests[:2])
     assert [again[i].finish_reason for i in (0, 1)] == ["length", "length"]
+
+
+# Chi-square critical values at p = 0.001 by degrees of freedom (support size - 1).
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p", "want"),
+    [
+        (1.0, -1, 1.0, 0.0, [0.5, 0.3, 0.1, 0.06, 0.04]),
+        (1.0, 2, 1.0, 0.0, [0.625, 0.375, 0, 0, 0]),
+        (1.0, -1, 0.7, 0.0, [0.625, 0.375, 0, 0, 0]),  # mass before token 2 is 0.8 >= 0.7
+        (1.0, -1, 1.0, 0.15, [0.5 / 0.9, 0.3 / 0.9, 0.1 / 0.9, 0, 0]),  # >= 0.15 x 0.5
+        (1.0, 4, 1.0, 0.1, [0.5 / 0.96, 0.3 / 0.96, 0.1 / 0.96, 0.06 / 0.96, 0]),
+        (
+            0.5,
+            -1,
+            1.0,
+            0.0,
+            [0.25 / 0.3552, 0.09 / 0.3552, 0.01 / 0.3552, 0.0036 / 0.3552, 0.0016 / 0.3552],
+        ),
+    ],
+)
+def test_paged_sampler_draws_from_exactly_the_filtered_distribution(
+    temperature, top_k, top_p, min_p, want
+):
+    from miles.torch.engine.paged.sampling import SamplingBatch, sample
+
+    probs = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04])
+    n = 40_000
+    logits = probs.log().expand(n, -1)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    batch = SamplingBatch.build([params] * n, vocab=5, device=torch.device("cpu"))
+    tokens, logprobs = sample(logits, batch, torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=5).double()
+    want = torch.tensor(want, dtype=torch.float64)
+    support = want > 0
+    assert (counts[~support] == 0).all(), counts  # nothing outside the support, ever
+    expected = want[support] * n
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_999[int(support.sum()) - 1], (chi2, counts)
+    # Logprobs are always of the unfiltered, temperature-scaled distribution.
+    unfiltered = torch.log_softmax(logits[0] / temperature, dim=-1)
+    torch.testing.assert_close(logprobs, unfiltered[tokens], rtol=0, atol=1e-6)
