@@ -13,7 +13,7 @@ if ! command -v chromium >/dev/null 2>&1; then
   [ "$(id -u)" = 0 ] || apt=(sudo "${apt[@]}")
   "${apt[@]}" install chromium >/dev/null ||
     { "${apt[@]}" update >/dev/null && "${apt[@]}" install chromium >/dev/null; } ||
-    echo "warning: could not install chromium; tests/test_report_e2e.py will fail" >&2
+    echo "warning: could not install chromium; tests/test_observed_run.py (the report test) will fail" >&2
 fi
 
 echo "== ruff check" && ruff check .
@@ -30,9 +30,10 @@ mypy_log=$(mktemp)
 mypy "${mypy_packages[@]}" >"$mypy_log" 2>&1 &
 mypy_pid=$!
 # Two workers (MILES_TEST_WORKERS=0: one process); a file's tests stay on one worker, so its
-# module fixtures (shared runs) are made once.
+# module fixtures (shared runs) are made once. Files start in collection order, the longest
+# first (conftest.py's LONGEST_FIRST).
 workers=${MILES_TEST_WORKERS:-2}
-xdist=(); [ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadfile)
+xdist=(); [ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 status=0
 echo "== pytest" && python -m pytest "${xdist[@]}" "$@" || status=$?
 echo "== mypy (every package)"

@@ -100,6 +100,8 @@ class TorchRolloutEngine:
         self.max_batch_size = max_batch_size
         self.model, self._tokenizer = load_model(model_path, self.device, resolve_dtype(dtype))
         self._eos_ids = eos_token_ids(self.model, self._tokenizer)
+        # Set before the weight receiver, which may load (convert) weights right away.
+        self._paged: PagedRunner | None = None
         self._cache_kwarg = cache_kwarg(self.model)
         self._pad_id = self._tokenizer.pad_token_id or 0
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -126,7 +128,6 @@ class TorchRolloutEngine:
         mode, why = batching_mode(DynamicCache(config=self.model.config))
         self._padded = mode == "padded"
         self.path, path_why = choose_path(path, self.device, self.model, record_routing)
-        self._paged: PagedRunner | None = None
         if self.path == "paged":
             settings = paged or PagedSettings(16, max_batch_size, 4096, 8192, 0.85, None, True)
             self._paged = PagedRunner(self.model, settings, self._generator, self._finish_reason)
