@@ -419,7 +419,10 @@ def test_benchmarks_step_breakdown_counts_every_stage(
     total, rollout, reward, train, sync, overhead, pct = (
         float(x) for x in row.strip("| ").split(" | ")
     )
-    assert rollout > 0 and reward > 0 and train > 0 and sync > 0, bench.stdout
+    # The table prints seconds to 3 decimals: the tiny run's reward (microseconds a call) and a
+    # rollout that ran in the previous step's tail can print as 0.000, so their presence is
+    # checked on the unrounded rows below; training and sync take milliseconds every step.
+    assert train > 0 and sync > 0 and rollout >= 0 and reward >= 0, bench.stdout
     assert 0 <= overhead < total and 0 <= pct < 100, bench.stdout
     sys.path.insert(0, str(ROOT / "tools" / "bench"))
     try:
