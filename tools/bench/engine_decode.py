@@ -22,8 +22,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from miles.core.types import GenerateRequest, SamplingParams
+from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.engine.engine import TorchRolloutEngine
-from miles.torch.engine.paged.runner import PagedSettings
 from miles.torch.engine.paged.sampling import sample
 from miles.torch.testing import make_tiny_model
 
@@ -124,13 +124,12 @@ def main() -> None:
     })  # fmt: skip
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    settings = PagedSettings(
+    settings = TorchEngineConfig(
         page_size=16,
         max_batch_size=max(batches),
         max_context=max(contexts) + args.decode_steps + 48,
         max_prefill_tokens=32768,
         mem_fraction=0.92,
-        kv_cache_tokens=None,
         cuda_graphs=not args.no_graphs,
     )
     engine = TorchRolloutEngine(

@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles.core.types import GenerateRequest, SamplingParams
+from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.engine.paged.pages import PagePool
-from miles.torch.engine.paged.runner import PagedSettings
 from miles.torch.engine.paged.scheduler import Scheduler
 from miles.torch.engine.paged.sequence import Sequence
 
@@ -19,17 +19,14 @@ torch.set_num_threads(1)
 PROMPT_LENS = [5, 17, 9, 2, 30, 11, 1, 23]
 
 
-def settings(**overrides) -> PagedSettings:
+def settings(**overrides) -> TorchEngineConfig:
     values = dict(
         page_size=4,
         max_batch_size=4,
         max_context=128,
         max_prefill_tokens=64,
-        mem_fraction=0.85,
-        kv_cache_tokens=None,
-        cuda_graphs=False,
     )
-    return PagedSettings(**{**values, **overrides})
+    return TorchEngineConfig(**{**values, **overrides})
 
 
 def paged_engine(path: str, **overrides) -> TorchRolloutEngine:

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles.core.types import GenerateRequest, SamplingParams
+from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.engine.engine import TorchRolloutEngine
-from miles.torch.engine.paged.runner import PagedSettings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,7 +63,7 @@ def engine(path, dtype, **overrides):
         page_size=16, max_batch_size=8, max_context=512, max_prefill_tokens=4096,
         mem_fraction=0.5, kv_cache_tokens=16384, cuda_graphs=True,
     )  # fmt: skip
-    settings = PagedSettings(**{**values, **overrides})
+    settings = TorchEngineConfig(**{**values, **overrides})
     return TorchRolloutEngine(
         path, device="cuda", dtype=dtype, max_batch_size=settings.max_batch_size,
         path="paged", paged=settings,

@@ -35,7 +35,6 @@ FSDP_CAPABILITIES = frozenset(
 
 def make_engine(config: TorchEngineConfig, setup: RolloutSetup) -> Any:
     from miles.torch.engine.engine import TorchRolloutEngine
-    from miles.torch.engine.paged.runner import PagedSettings
 
     if setup.device == "cpu" and setup.cpu_threads:
         import torch
@@ -52,16 +51,7 @@ def make_engine(config: TorchEngineConfig, setup: RolloutSetup) -> Any:
         lora=setup.lora,
         sync_timeout_s=setup.sync_timeout_s,
         path=config.path,
-        paged=PagedSettings(
-            page_size=config.page_size,
-            max_batch_size=config.max_batch_size,
-            max_context=config.max_context,
-            max_prefill_tokens=config.max_prefill_tokens,
-            mem_fraction=config.mem_fraction,
-            kv_cache_tokens=config.kv_cache_tokens,
-            cuda_graphs=config.cuda_graphs,
-            decode_burst=config.decode_burst,
-        ),
+        paged=config,
     )
 
 

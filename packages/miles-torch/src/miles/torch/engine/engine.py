@@ -30,7 +30,7 @@ from miles.core.types import GenerateRequest, GenerateResult
 from miles.core.weight_sync import SyncPlan
 from miles.precision.lora import AdapterApplier
 from miles.torch.engine.batch import Batch, Row, batching_mode
-from miles.torch.engine.config import EnginePath
+from miles.torch.engine.config import EnginePath, TorchEngineConfig
 from miles.torch.engine.loader import (
     cache_kwarg,
     copy_weights,
@@ -38,7 +38,7 @@ from miles.torch.engine.loader import (
     load_model,
     resolve_dtype,
 )
-from miles.torch.engine.paged.runner import PagedRunner, PagedSettings
+from miles.torch.engine.paged.runner import PagedRunner
 from miles.torch.engine.paged.sequence import Sequence, Status
 from miles.torch.engine.path import choose_path
 from miles.torch.engine.sampler import SamplingTensors, sample
@@ -91,7 +91,7 @@ class TorchRolloutEngine:
         lora: LoRAConfig | None = None,
         sync_timeout_s: float = 600.0,
         path: EnginePath = "hf",
-        paged: PagedSettings | None = None,
+        paged: TorchEngineConfig | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -129,7 +129,7 @@ class TorchRolloutEngine:
         self._padded = mode == "padded"
         self.path, path_why = choose_path(path, self.device, self.model, record_routing)
         if self.path == "paged":
-            settings = paged or PagedSettings(16, max_batch_size, 4096, 8192, 0.85, None, True)
+            settings = paged or TorchEngineConfig(max_batch_size=max_batch_size)
             self._paged = PagedRunner(self.model, settings, self._generator, self._finish_reason)
             mode, why = "paged", "pages, packed prefill, paged attention"
         log = structlog.get_logger(__name__)

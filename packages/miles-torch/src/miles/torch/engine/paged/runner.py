@@ -7,13 +7,13 @@ drives steps until its own have finished, so requests of concurrent calls batch 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 import torch
 
 from miles.core.types import GenerateRequest
+from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.engine.paged import kv_cache
 from miles.torch.engine.paged.attention import DecodeMeta, PrefillMeta
 from miles.torch.engine.paged.graphs import DecodeGraphs
@@ -26,23 +26,11 @@ from miles.torch.engine.paged.sequence import Sequence, Status
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class PagedSettings:
-    page_size: int
-    max_batch_size: int
-    max_context: int
-    max_prefill_tokens: int
-    mem_fraction: float
-    kv_cache_tokens: int | None
-    cuda_graphs: bool
-    decode_burst: int = 8  # with CUDA graphs: decode steps between two looks of the host
-
-
 class PagedRunner:
     def __init__(
         self,
         hf_model: Any,
-        settings: PagedSettings,
+        settings: TorchEngineConfig,
         generator: torch.Generator,
         finish_reason: Callable[[Sequence], str | None],
     ) -> None:
@@ -156,7 +144,7 @@ class PagedRunner:
             picked = [i for i, s in enumerate(step.seqs) if s in set(sampled)]
             logits = logits[picked] if len(picked) < len(step.seqs) else logits
         else:
-            logits = self._decode(step)
+            logits = self._decode_rows(step.seqs)
         for seq, n in zip(step.seqs, step.chunks, strict=True):
             seq.num_computed += n
         if not sampled:
@@ -271,29 +259,15 @@ class PagedRunner:
             last=meta.last,
         )
 
-    def _decode(self, step: Step) -> torch.Tensor:
-        return self._decode_rows(step.seqs)
-
     def _decode_rows(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits of one decode step of `seqs` (each feeds its last token)."""
-        assert self.kv is not None
-        device = self.device
         input_ids = [s.tokens[-1] for s in seqs]
-        positions = [len(s) - 1 for s in seqs]
         if self._graphed:
             if self.graphs is None:
                 self.graphs = self._capture()
+            positions = [len(s) - 1 for s in seqs]
             return self.graphs.run(input_ids, positions, [s.pages for s in seqs])
-        width = max(len(s.pages) for s in seqs)
-        table = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
-        pos = torch.tensor(positions, device=device)
-        meta = DecodeMeta(
-            pos,
-            torch.tensor(table, dtype=torch.int32, device=device),
-            (pos + 1).to(torch.int32),
-            self.settings.page_size,
-        )
-        return self.model.forward(torch.tensor(input_ids, device=device), pos, self.kv, meta)
+        return self._eager_decode(seqs, torch.tensor(input_ids, device=self.device), step=0)
 
     def _advance(self, seqs: list[Sequence], tokens: torch.Tensor, step: int) -> torch.Tensor:
         """Logits of the burst's next decode step: each row feeds `tokens` `step` positions
@@ -301,6 +275,11 @@ class PagedRunner:
         if self._graphed:
             assert self.graphs is not None
             return self.graphs.advance(tokens)
+        return self._eager_decode(seqs, tokens, step)
+
+    def _eager_decode(self, seqs: list[Sequence], tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """One decode step without graphs: row b feeds tokens[b] `step` positions after its
+        last token."""
         assert self.kv is not None
         width = max(len(s.pages) for s in seqs)
         table = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
