@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from miles.core.types import GenerateRequest, SamplingParams
 from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.engine.engine import TorchRolloutEngine
-from miles.torch.engine.paged.sampling import sample
+from miles.torch.engine.sampler import sample
 from miles.torch.testing import make_tiny_model
 
 QWEN3_06B = dict(

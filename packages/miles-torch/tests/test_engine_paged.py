@@ -152,9 +152,91 @@ def test_a_request_larger_than_the_cache_is_refused_clearly(tiny_model):
 
 def test_paged_refuses_a_family_it_has_no_forward_for(tiny_model):
     with pytest.raises(ValueError, match="no paged forward"):
-        paged_engine(tiny_model("qwen3_moe"))
-    auto = TorchRolloutEngine(tiny_model("qwen3_moe"), path="auto")
+        paged_engine(tiny_model("deepseek_v3"))
+    auto = TorchRolloutEngine(tiny_model("deepseek_v3"), path="auto")
     assert auto.health()["path"] == "hf"
+
+
+def test_paged_moe_equals_the_hf_path_and_records_the_same_routes(tiny_model):
+    """Qwen3-MoE on the paged path, with groups sharing prompts, a cache small enough to
+    preempt, and chunked prefill: the same greedy tokens, logprobs and routing records (experts
+    and gate weights) as the hf path, which hooks transformers' own routers."""
+    path = tiny_model("qwen3_moe")
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=12)
+    prompts = make_requests(sampling, lens=[30, 9, 17, 23])
+    group = [
+        GenerateRequest(10 * p.request_id + i, p.prompt_ids, sampling)
+        for p in prompts
+        for i in range(3)
+    ]
+    hf = TorchRolloutEngine(path, max_batch_size=16, record_routing="ids+weights")
+    want = run(hf, group)
+    s = settings(max_batch_size=16, kv_cache_tokens=96, max_prefill_tokens=8)
+    paged = TorchRolloutEngine(
+        path, max_batch_size=16, path="paged", paged=s, record_routing="ids+weights"
+    )
+    got = run(paged, group)
+    assert paged._paged.scheduler.preemptions > 0 and paged._paged.prefix_hit_rate > 0
+    for rid, res in want.items():
+        mine = got[rid]
+        assert mine.response_ids == res.response_ids
+        torch.testing.assert_close(
+            torch.tensor(mine.logprobs), torch.tensor(res.logprobs), rtol=0, atol=1e-4
+        )
+        assert mine.routing is not None and res.routing is not None
+        assert mine.routing.dtype == res.routing.dtype
+        assert mine.routing.shape == res.routing.shape  # [prompt + response, layers, top_k]
+        assert (mine.routing[-1] == -1).all()  # the last token was never fed
+        assert (mine.routing[:-1] >= 0).all()
+        assert (mine.routing == res.routing).all(), rid
+        torch.testing.assert_close(
+            torch.tensor(mine.routing_weights), torch.tensor(res.routing_weights), atol=1e-5, rtol=0
+        )
+
+
+def test_a_seeded_request_samples_the_same_tokens_however_it_is_run(tiny_model):
+    """Alone or batched with others, on the hf or the paged path, with or without preemption:
+    a request with a seed draws the same tokens; another seed draws others."""
+    path = tiny_model("qwen3")
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, seed=1234)
+    prompt = list(range(3, 40))
+    mine = GenerateRequest(0, prompt, seeded)
+    others = make_requests(SamplingParams(temperature=1.0, max_new_tokens=16), lens=[30, 9, 17])
+    others = [GenerateRequest(r.request_id + 1, r.prompt_ids, r.sampling) for r in others]
+    hf = TorchRolloutEngine(path, max_batch_size=8)
+    alone = run(hf, [mine])[0]
+    runs = {
+        "hf batched": run(hf, [*others, mine])[0],
+        "paged": run(paged_engine(path, max_batch_size=8), [mine])[0],
+        "paged batched, preempted": run(
+            tight := paged_engine(path, max_batch_size=8, kv_cache_tokens=88), [*others, mine]
+        )[0],
+    }
+    assert tight._paged.scheduler.preemptions > 0
+    for how, result in runs.items():
+        assert result.response_ids == alone.response_ids, how
+        torch.testing.assert_close(
+            torch.tensor(result.logprobs), torch.tensor(alone.logprobs), rtol=0, atol=1e-4
+        )
+    reseeded = GenerateRequest(0, prompt, SamplingParams(**{**vars(seeded), "seed": 99}))
+    assert run(hf, [reseeded])[0].response_ids != alone.response_ids
+
+
+def test_seeded_uniforms_are_uniform_and_depend_on_seed_and_counter_only():
+    from miles.torch.engine.sampler import seeded_uniform
+
+    counters = torch.arange(200_000)
+    u = seeded_uniform(torch.full_like(counters, 5), counters)
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    counts = torch.histc(u, bins=20, min=0, max=1)
+    expected = len(u) / 20
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 43.82  # chi-square, 19 degrees of freedom, p = 0.001
+    assert torch.equal(u, seeded_uniform(torch.full_like(counters, 5), counters))
+    other = seeded_uniform(torch.full_like(counters, 6), counters)
+    assert float((u == other).float().mean()) < 1e-3
+    big = seeded_uniform(torch.full_like(counters, 5 + 2**40), counters)
+    assert float((u == big).float().mean()) < 1e-3  # the high bits of a seed count too
 
 
 def test_pause_hands_back_unfinished_requests_and_frees_their_pages(tiny_model):
@@ -209,13 +291,13 @@ CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}
 def test_paged_sampler_draws_from_exactly_the_filtered_distribution(
     temperature, top_k, top_p, min_p, want
 ):
-    from miles.torch.engine.paged.sampling import SamplingBatch, sample
+    from miles.torch.engine.sampler import SamplingTensors, sample
 
     probs = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04])
     n = 40_000
     logits = probs.log().expand(n, -1)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    batch = SamplingBatch.build([params] * n, vocab=5, device=torch.device("cpu"))
+    batch = SamplingTensors.from_params([params] * n, torch.device("cpu"))
     tokens, logprobs = sample(logits, batch, torch.Generator().manual_seed(0))
     counts = torch.bincount(tokens, minlength=5).double()
     want = torch.tensor(want, dtype=torch.float64)

@@ -194,3 +194,117 @@ def test_graphs_equal_eager_and_survive_weight_loads_and_release(tiny_model):
     model.load_state_dict({n: t.cpu() for n, t in new.items()}, strict=False)
     model.save_pretrained(model_dir)
     assert logprob_error(model_dir, torch.float32, results, reqs, 1.0) <= 1e-4
+
+
+MOE_SHAPE = dict(
+    hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+)  # fmt: skip
+
+
+def test_grouped_experts_equal_transformers_experts_in_bf16(tiny_model):
+    from miles.torch.engine.paged.moe import experts_forward, grouped
+
+    assert grouped(torch.device("cuda"), torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model("qwen3_moe", **MOE_SHAPE), dtype=torch.bfloat16
+    ).cuda()
+    experts = model.model.layers[0].mlp.experts
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn((77, 256), generator=g, device="cuda").to(torch.bfloat16)
+    indices = torch.stack([torch.randperm(8, generator=g, device="cuda")[:2] for _ in range(77)])
+    indices[:10] = torch.tensor([3, 5], device="cuda")  # a crowded expert, and empty ones
+    weights = torch.rand((77, 2), generator=g, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        want = experts(x, indices, weights).float()
+        got = experts_forward(x, indices, weights, experts.gate_up_proj, experts.down_proj).float()
+    print(
+        f"grouped experts vs transformers, bf16: max abs diff {float((got - want).abs().max()):.2e}"
+    )
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def _moe_engine(path, dtype, **overrides):
+    values = dict(
+        page_size=16, max_batch_size=8, max_context=512, kv_cache_tokens=16384, cuda_graphs=True,
+    )  # fmt: skip
+    settings = TorchEngineConfig(**{**values, **overrides})
+    return TorchRolloutEngine(
+        path, device="cuda", dtype=dtype, max_batch_size=settings.max_batch_size,
+        path="paged", paged=settings, record_routing="ids",
+    )  # fmt: skip
+
+
+def test_paged_moe_on_gpu_records_routes_in_graphs_and_matches_transformers(tiny_model):
+    """fp32 (experts one by one, eager): the same routes and logprobs as the hf path. bf16
+    (grouped experts, decode in CUDA graphs): graphs equal eager, and the recorded routes are
+    those a transformers bf16 forward of the same tokens takes, up to bf16 ties."""
+    path = tiny_model("qwen3_moe", **MOE_SHAPE)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+    reqs = requests(greedy)
+    fp32 = {r.request_id: r for r in _moe_engine(path, "float32").results(reqs)}
+    hf = TorchRolloutEngine(path, device="cuda", dtype="float32", record_routing="ids")
+    want = {r.request_id: r for r in hf.results(reqs)}
+    for rid, res in want.items():
+        assert fp32[rid].response_ids == res.response_ids
+        assert (fp32[rid].routing == res.routing).all()
+    graphed = _moe_engine(path, "bfloat16")
+    assert graphed._paged._graphed
+    sampled = requests(SamplingParams(temperature=1.0, max_new_tokens=24, seed=5))
+    a = {r.request_id: r for r in graphed.results(sampled)}
+    assert graphed._paged.graphs is not None and graphed._paged.graphs.graphs
+    b = {r.request_id: r for r in _moe_engine(path, "bfloat16", cuda_graphs=False).results(sampled)}
+    for rid in a:
+        assert a[rid].response_ids == b[rid].response_ids
+        assert (a[rid].routing == b[rid].routing).all()
+    # Teacher-forced transformers bf16 forward over the same tokens, its routers hooked.
+    from miles.torch.routing import RoutingRecorder, router_adapter
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    recorder = RoutingRecorder(model, router_adapter(model, "test"), with_weights=False)
+    agree = total = 0
+    for req in sampled:
+        res = a[req.request_id]
+        with torch.no_grad():
+            model(torch.tensor([req.prompt_ids + res.response_ids[:-1]], device="cuda"))
+        theirs = recorder.take()[0].sort(dim=-1).values.cpu().numpy()
+        ours = torch.from_numpy(res.routing[:-1]).long().sort(dim=-1).values.numpy()
+        same = (ours == theirs).all(axis=-1)
+        agree, total = agree + int(same.sum()), total + same.size
+    print(f"bf16 MoE: {agree}/{total} token-layer routes equal transformers' bf16 forward")
+    assert agree / total >= 0.95
+    exact = transformers_logprobs(path, torch.float32, a, sampled, 1.0)
+    theirs = max_diff(transformers_logprobs(path, torch.bfloat16, a, sampled, 1.0), exact)
+    ours = max_diff({k: v.logprobs for k, v in a.items()}, exact)
+    print(f"bf16 MoE vs fp32 transformers: ours {ours:.2e}, transformers' bf16 {theirs:.2e}")
+    assert ours <= 2 * theirs
+
+
+def test_fused_sampling_kernel_equals_the_torch_sampler_and_draws_the_right_distribution():
+    from miles.torch.engine import sample_kernel
+    from miles.torch.engine.sampler import _draw
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, vocab = 256, 151936
+    logits = (3 * torch.randn((rows, vocab), generator=g, device="cuda")).to(torch.bfloat16)
+    greedy = torch.arange(rows, device="cuda") % 5 == 0
+    temp = torch.where(greedy, 1.0, torch.rand(rows, generator=g, device="cuda") + 0.3)
+    u = torch.rand(rows, generator=g, device="cuda")
+    tokens, logprobs = sample_kernel.fused_sample(logits, temp, greedy, u)
+    ref = torch.log_softmax(logits.float() / temp.unsqueeze(1), dim=-1)
+    want = torch.where(greedy, ref.argmax(dim=-1), _draw(ref, u))
+    agree = float((tokens == want).float().mean())
+    print(f"fused sampler: {agree:.4f} of rows draw the torch sampler's token")
+    assert agree >= 0.99
+    torch.testing.assert_close(
+        logprobs, ref.gather(1, tokens.unsqueeze(1)).squeeze(1), rtol=0, atol=1e-5
+    )
+    probs = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04], device="cuda")
+    n = 200_000
+    drawn, _ = sample_kernel.fused_sample(
+        probs.log().expand(n, -1), torch.ones(n, device="cuda"),
+        torch.zeros(n, dtype=torch.bool, device="cuda"), torch.rand(n, generator=g, device="cuda"),
+    )  # fmt: skip
+    counts = torch.bincount(drawn, minlength=5).double()
+    chi2 = float(((counts - n * probs.double()) ** 2 / (n * probs.double())).sum())
+    assert chi2 < 18.47  # 4 degrees of freedom, p = 0.001

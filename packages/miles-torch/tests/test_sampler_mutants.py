@@ -152,7 +152,7 @@ def test_temperature_scales_the_logprobs_and_greedy_rows_take_the_argmax() -> No
 
 def test_draw_never_picks_a_zero_probability_entry() -> None:
     logprobs = torch.tensor([[-inf, log(0.25), -inf, log(0.75), -inf]]).expand(2000, -1)
-    index = _draw(logprobs, _gen(1))
+    index = _draw(logprobs, torch.rand(len(logprobs), generator=_gen(1)))
     counts = torch.bincount(index, minlength=5).tolist()
     assert counts[0] == counts[2] == counts[4] == 0
     assert 400 < counts[1] < 600  # 500 expected
@@ -161,7 +161,7 @@ def test_draw_never_picks_a_zero_probability_entry() -> None:
 def test_draw_stays_in_range_on_a_nan_row() -> None:
     """A row of NaN (a broken model) still draws an index that exists, not one past the end."""
     logprobs = torch.tensor([[float("nan")] * 4, [0.0, -inf, -inf, -inf]])
-    index = _draw(logprobs, _gen(0))
+    index = _draw(logprobs, torch.rand(len(logprobs), generator=_gen(0)))
     assert 0 <= int(index[0]) < 4 and int(index[1]) == 0
 
 

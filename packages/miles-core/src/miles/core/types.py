@@ -70,6 +70,13 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    # None: the engine's generator. A seed makes the request's tokens depend only on the seed,
+    # the weights and the prompt, not on what it is batched with (SGLang's sampling_seed).
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"sampling seed must be in [0, 2**63), got {self.seed}")
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ class TorchRolloutEngine:
         self._paused = False
         self._released = False
         self._lock = threading.Lock()  # one model step, weight load or offload at a time
-        self._recorder = _routing_recorder(self.model, record_routing)
+        self._recorder: RoutingRecorder | None = None  # hf path only: hooks on the routers
         self._adapters: AdapterApplier | None = None  # LoRA adapters on the loaded base
         self._receiver = WeightReceiver(
             model_path=model_path,
@@ -127,11 +127,22 @@ class TorchRolloutEngine:
         self._routing_dtype = index_dtype(int(experts or 1))
         mode, why = batching_mode(DynamicCache(config=self.model.config))
         self._padded = mode == "padded"
-        self.path, path_why = choose_path(path, self.device, self.model, record_routing)
+        self.path, path_why = choose_path(path, self.device, self.model)
         if self.path == "paged":
+            if record_routing != "off":  # the family must know the model's routers
+                router_adapter(self.model, f"record_routing={record_routing!r}")
             settings = paged or TorchEngineConfig(max_batch_size=max_batch_size)
-            self._paged = PagedRunner(self.model, settings, self._generator, self._finish_reason)
+            self._paged = PagedRunner(
+                self.model,
+                settings,
+                self._generator,
+                self._finish_reason,
+                record_routing=record_routing,
+                routing_dtype=self._routing_dtype,
+            )
             mode, why = "paged", "pages, packed prefill, paged attention"
+        else:
+            self._recorder = _routing_recorder(self.model, record_routing)
         log = structlog.get_logger(__name__)
         log.info("torch engine path", path=self.path, reason=path_why, model=model_path)
         log.info("torch engine batching", mode=mode, reason=why, model=model_path)
@@ -217,6 +228,8 @@ class TorchRolloutEngine:
             logprobs=seq.logprobs,
             finish_reason=seq.finish_reason or "abort",
             weight_version=self._weight_version,
+            routing=seq.routing,
+            routing_weights=seq.routing_weights,
             cached_tokens=seq.cached_tokens,
         )
 
@@ -260,7 +273,11 @@ class TorchRolloutEngine:
 
     def _advance(self, step: Batch, logits: torch.Tensor) -> list[GenerateResult]:
         """Sample each row's next token from `logits`; the results of the rows that finish."""
-        step.last_tokens, logprobs = sample(logits, step.params, self._generator)
+        counters = None
+        if step.params.seeded:
+            lengths = [len(row.response) for row in step.rows]
+            counters = torch.tensor(lengths, device=self.device)
+        step.last_tokens, logprobs = sample(logits, step.params, self._generator, counters)
         finished = []
         for row, token, logprob in zip(
             step.rows, step.last_tokens.tolist(), logprobs.tolist(), strict=True

@@ -6,20 +6,15 @@ from typing import Any
 
 import torch
 
-from miles.core.config import ReplayMode
 from miles.torch.engine.config import EnginePath
 from miles.torch.engine.paged.model import unsupported_reason
 
 
-def choose_path(
-    requested: EnginePath, device: torch.device, model: Any, record_routing: ReplayMode
-) -> tuple[str, str]:
+def choose_path(requested: EnginePath, device: torch.device, model: Any) -> tuple[str, str]:
     """("paged" or "hf", why); ValueError when paged is asked for and cannot run."""
     if requested == "hf":
         return "hf", "rollout.path is hf"
     reason = unsupported_reason(model)
-    if reason is None and record_routing != "off":
-        reason = "MoE routing records are made on the hf path"
     if requested == "paged":
         if reason is not None:
             raise ValueError(f"rollout.path is paged, but {reason}: use auto or hf")

@@ -1,7 +1,10 @@
-"""The fast forward of Llama-shaped decoders (Llama, Qwen2, Qwen3) over the paged KV cache.
+"""The fast forward of Llama-shaped decoders (Llama, Qwen2, Qwen3, Qwen3-MoE) over the paged
+KV cache.
 
 It runs on the Hugging Face model's own modules and parameters, with two fusions: each layer's
-q/k/v projections become one matrix and gate/up another. The fused matrices own the storage and
+q/k/v projections become one matrix and a dense MLP's gate/up another. MoE layers run the Hugging
+Face router and our grouped experts (`moe`) over the experts' own 3-D parameters; with a
+`RouteCache` set, each MoE layer's choice is written beside the token's K/V. The fused matrices own the storage and
 the Hugging Face parameters become views into them, so weights loaded by Hugging Face name (a
 weight sync, a LoRA merge, a checksum) land in the fused matrices in place: no copy, and CUDA
 graphs captured over them stay valid.
@@ -23,10 +26,13 @@ from miles.torch.engine.paged.attention import (
     prefill_attention,
 )
 from miles.torch.engine.paged.fused import qk_norm_rope_store, rms_norm, silu_mul
+from miles.torch.engine.paged.moe import experts_forward, grouped
+from miles.torch.engine.paged.routes import RouteCache
 
 # Families whose decoder layer is: RMSNorm, attention (optional per-head q/k RMSNorm), residual,
-# RMSNorm, gated MLP, residual; RoPE that depends on the position only.
-FAMILIES = ("llama", "qwen2", "qwen3")
+# RMSNorm, gated MLP or top-k routed SiLU-gated experts, residual; RoPE that depends on the
+# position only.
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
@@ -46,6 +52,12 @@ def unsupported_reason(model: Any) -> str | None:
         return f"RoPE type {rope_type!r} depends on the sequence length; the paged path needs static RoPE"
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         return f"activation {config.hidden_act!r}: the paged MLP is SiLU-gated"
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        if hasattr(mlp, "experts") and not (
+            hasattr(mlp, "gate") and hasattr(mlp.experts, "gate_up_proj")
+        ):
+            return f"MoE block {type(mlp).__name__} is not router + fused 3-D experts"
     return None
 
 
@@ -60,6 +72,34 @@ def _fuse(weights: list[nn.Parameter]) -> torch.Tensor:
 
 
 @dataclass
+class _DenseMLP:
+    gate_up: torch.Tensor
+    down: nn.Linear
+
+    def __call__(
+        self, x: torch.Tensor, slots: torch.Tensor, routes: RouteCache | None
+    ) -> torch.Tensor:
+        out: torch.Tensor = self.down(silu_mul(F.linear(x, self.gate_up)))
+        return out
+
+
+@dataclass
+class _MoE:
+    router: nn.Module  # Hugging Face router: (logits, gate weights, expert indices)
+    gate_up: torch.Tensor  # [experts, 2 * inter, hidden]
+    down: torch.Tensor  # [experts, hidden, inter]
+    index: int  # among the model's MoE layers: its column in the routing record
+
+    def __call__(
+        self, x: torch.Tensor, slots: torch.Tensor, routes: RouteCache | None
+    ) -> torch.Tensor:
+        _, weights, indices = self.router(x)
+        if routes is not None:
+            routes.write(self.index, slots, indices, weights)
+        return experts_forward(x, indices, weights, self.gate_up, self.down)
+
+
+@dataclass
 class _Layer:
     input_norm: nn.Module
     post_norm: nn.Module
@@ -68,8 +108,7 @@ class _Layer:
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o_proj: nn.Linear
-    gate_up: torch.Tensor
-    down: nn.Linear
+    mlp: _DenseMLP | _MoE
 
 
 class PagedModel:
@@ -88,7 +127,14 @@ class PagedModel:
         self.num_layers = config.num_hidden_layers
         self.dtype = model.dtype
         self.max_context = max_context
+        self.routes: RouteCache | None = None  # set by the runner when routing is recorded
         self.fuse()
+        self.num_moe_layers = sum(isinstance(layer.mlp, _MoE) for layer in self.layers)
+        self.top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+        # Why decode cannot be captured as CUDA graphs (None: it can).
+        self.not_graphable: str | None = None
+        if self.num_moe_layers and not grouped(model.device, self.dtype):
+            self.not_graphable = f"MoE experts in {self.dtype} run one by one, syncing"
         positions = torch.arange(max_context, device=model.device).unsqueeze(0)
         probe = torch.empty(0, dtype=self.dtype, device=model.device)
         cos, sin = model.model.rotary_emb(probe, positions)
@@ -97,10 +143,18 @@ class PagedModel:
     def fuse(self) -> None:
         """(Re)build the fused q/k/v and gate/up matrices; call again after the model moved."""
         self.layers = []
+        moe_layers = 0
         for layer in self.hf.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = [attn.q_proj, attn.k_proj, attn.v_proj]
             biases = [p.bias for p in projections]
+            block: _DenseMLP | _MoE
+            if hasattr(mlp, "experts"):
+                experts = mlp.experts
+                block = _MoE(mlp.gate, experts.gate_up_proj, experts.down_proj, moe_layers)
+                moe_layers += 1
+            else:
+                block = _DenseMLP(_fuse([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj)
             self.layers.append(
                 _Layer(
                     input_norm=layer.input_layernorm,
@@ -110,8 +164,7 @@ class PagedModel:
                     qkv=_fuse([p.weight for p in projections]),
                     qkv_bias=None if biases[0] is None else _fuse(biases),
                     o_proj=attn.o_proj,
-                    gate_up=_fuse([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                    down=mlp.down_proj,
+                    mlp=block,
                 )
             )
 
@@ -152,7 +205,7 @@ class PagedModel:
                 attn = decode_attention(q, k_cache, v_cache, meta, self.scale)
             attn_out = layer.o_proj(attn.reshape(attn.shape[0], -1))
             x, residual = rms_norm(attn_out, *_norm(layer.post_norm), residual)
-            hidden = layer.down(silu_mul(F.linear(x, layer.gate_up)))
+            hidden = layer.mlp(x, slots, self.routes)
         assert residual is not None
         if last is not None:
             hidden, residual = hidden[last], residual[last]

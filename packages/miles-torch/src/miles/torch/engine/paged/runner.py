@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
+from miles.core.config import ReplayMode
 from miles.core.types import GenerateRequest
 from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.engine.paged import kv_cache
@@ -19,9 +21,10 @@ from miles.torch.engine.paged.attention import DecodeMeta, PrefillMeta
 from miles.torch.engine.paged.graphs import DecodeGraphs
 from miles.torch.engine.paged.model import PagedModel
 from miles.torch.engine.paged.pages import PagePool
-from miles.torch.engine.paged.sampling import SamplingBatch, sample
+from miles.torch.engine.paged.routes import RouteCache
 from miles.torch.engine.paged.scheduler import Scheduler, Step
 from miles.torch.engine.paged.sequence import Sequence, Status
+from miles.torch.engine.sampler import SamplingTensors, sample
 
 log = structlog.get_logger(__name__)
 
@@ -33,19 +36,28 @@ class PagedRunner:
         settings: TorchEngineConfig,
         generator: torch.Generator,
         finish_reason: Callable[[Sequence], str | None],
+        record_routing: ReplayMode = "off",
+        routing_dtype: np.dtype[Any] | None = None,
     ) -> None:
         self.settings = settings
         self.device = hf_model.device
         self.generator = generator
         self.finish_reason = finish_reason
         self.model = PagedModel(hf_model, settings.max_context)
-        self.vocab = hf_model.config.vocab_size
+        self.record_routing = record_routing
+        self.routing_dtype = routing_dtype if routing_dtype is not None else np.dtype(np.int32)
+        if record_routing != "off" and not self.model.num_moe_layers:
+            raise ValueError(f"record_routing={record_routing!r}: the model has no MoE layer")
+        # Sequences whose routes are read at the end of the step: (sequence, slots, tokens).
+        self._route_reads: list[tuple[Sequence, list[int], int]] = []
         self._order = 0
         self._sampling_rows: list[Sequence] = []
-        self._sampling_batch: SamplingBatch | None = None
+        self._sampling_batch: SamplingTensors | None = None
         self.kv: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.scheduler: Scheduler | None = None
+        if self.device.type == "cuda" and settings.cuda_graphs and self.model.not_graphable:
+            log.info("decode runs without CUDA graphs", reason=self.model.not_graphable)
         self.allocate()
 
     # ── memory ──────────────────────────────────────────────────────────────────────────────────
@@ -60,6 +72,15 @@ class PagedRunner:
             fallback_tokens=s.max_batch_size * s.max_context,
         )
         self.kv = kv_cache.allocate(self.model, pages, s.page_size, self.device)
+        if self.record_routing != "off":
+            self.model.routes = RouteCache(
+                pages * s.page_size,
+                self.model.num_moe_layers,
+                self.model.top_k,
+                with_weights=self.record_routing == "ids+weights",
+                index_dtype=self.routing_dtype,
+                device=self.device,
+            )
         self.pool = PagePool(pages, s.page_size)
         self.scheduler = Scheduler(self.pool, s.max_batch_size, s.max_prefill_tokens)
         log.info(
@@ -73,9 +94,13 @@ class PagedRunner:
     def release(self) -> None:
         """Drop the cache and the graphs; requests still scheduled end as "abort"."""
         if self.scheduler is not None:
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                self._keep_routes(seq)
+            self._read_routes()
             for seq in self.scheduler.drain():
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
         self.kv = None
+        self.model.routes = None
         self.graphs = None
         self.scheduler = None
 
@@ -115,11 +140,14 @@ class PagedRunner:
             if self.scheduler is None:  # released: the schedule is gone already
                 pass
             elif seq.status is Status.RUNNING:
+                self._keep_routes(seq)
                 self.scheduler.running.remove(seq)
                 self.pool.release(seq)
             elif seq in self.scheduler.waiting:
+                self._keep_routes(seq)
                 self.scheduler.waiting.remove(seq)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self._read_routes()
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -128,7 +156,11 @@ class PagedRunner:
     # ── one step ────────────────────────────────────────────────────────────────────────────────
     def step(self) -> None:
         """Run one prefill step, or one decode step (with CUDA graphs, a burst of several);
-        finished sequences get status FINISHED."""
+        finished sequences get status FINISHED (and their routing records)."""
+        self._step()
+        self._read_routes()
+
+    def _step(self) -> None:
         assert self.scheduler is not None and self.kv is not None
         step = self.scheduler.schedule()
         if not step.seqs:
@@ -149,7 +181,8 @@ class PagedRunner:
             seq.num_computed += n
         if not sampled:
             return
-        tokens, logprobs = sample(logits, self._sampling(sampled), self.generator)
+        params = self._sampling(sampled)
+        tokens, logprobs = sample(logits, params, self.generator, self._counters(sampled, params))
         # One transfer, one wait: token ids are exact in float64.
         drawn = torch.stack([tokens.double(), logprobs.double()]).cpu().numpy()
         for seq, token, logprob in zip(
@@ -166,12 +199,34 @@ class PagedRunner:
             return False
         assert self.scheduler is not None
         self.pool.register(seq, seq.num_computed)  # for a later turn of the conversation
+        self._keep_routes(seq)
         self.scheduler.finish(seq, reason)
         return True
 
+    def _keep_routes(self, seq: Sequence) -> None:
+        """Note where `seq`'s computed tokens' routes are, before its pages go back."""
+        if self.model.routes is None:
+            return
+        size = self.settings.page_size
+        slots = [seq.pages[p // size] * size + p % size for p in range(seq.num_computed)]
+        self._route_reads.append((seq, slots, len(seq)))
+
+    def _read_routes(self) -> None:
+        """Copy the noted sequences' routing records to the host, all in one transfer."""
+        if self.model.routes is None or not self._route_reads:
+            return
+        reads, self._route_reads = self._route_reads, []
+        records = self.model.routes.read([(slots, total) for _, slots, total in reads])
+        for (seq, _, _), (indices, weights) in zip(reads, records, strict=True):
+            seq.routing, seq.routing_weights = indices, weights
+
     @property
     def _graphed(self) -> bool:
-        return self.device.type == "cuda" and self.settings.cuda_graphs
+        return (
+            self.device.type == "cuda"
+            and self.settings.cuda_graphs
+            and self.model.not_graphable is None
+        )
 
     def _burst_length(self, seqs: list[Sequence]) -> int:
         """How many decode steps to run before the host looks at the tokens: up to
@@ -192,12 +247,15 @@ class PagedRunner:
         next through the graphs' input buffer, and the host waits once, at the end. Tokens a
         row sampled after its stop are dropped (their K/V sit in pages the row then returns)."""
         params = self._sampling(seqs)
+        counters = self._counters(seqs, params)
         rows = len(seqs)
         tokens = torch.empty((burst, rows), dtype=torch.float64, device=self.device)
         logprobs = torch.empty_like(tokens)
         logits = self._decode_rows(seqs)
         for i in range(burst):
-            sampled, logprob = sample(logits, params, self.generator)
+            sampled, logprob = sample(
+                logits, params, self.generator, None if counters is None else counters + i
+            )
             tokens[i], logprobs[i] = sampled, logprob
             if i + 1 < burst:
                 logits = self._advance(seqs, sampled, step=i + 1)
@@ -209,17 +267,23 @@ class PagedRunner:
                 if self._take(seq, int(ids[i, j]), float(drawn[1, i, j])):
                     break
 
-    def _sampling(self, rows: list[Sequence]) -> SamplingBatch:
+    def _sampling(self, rows: list[Sequence]) -> SamplingTensors:
         """The rows' sampling tensors, rebuilt only when the rows change (not every step)."""
         same = len(rows) == len(self._sampling_rows) and all(
             a is b for a, b in zip(rows, self._sampling_rows, strict=True)
         )
         if not same:
             params = [s.request.sampling for s in rows]
-            self._sampling_batch = SamplingBatch.build(params, self.vocab, self.device)
+            self._sampling_batch = SamplingTensors.from_params(params, self.device)
             self._sampling_rows = list(rows)
         assert self._sampling_batch is not None
         return self._sampling_batch
+
+    def _counters(self, rows: list[Sequence], params: SamplingTensors) -> torch.Tensor | None:
+        """Each row's response length, which seeded rows hash with their seed (None: no seeds)."""
+        if not params.seeded:
+            return None
+        return torch.tensor([len(s.response) for s in rows], device=self.device)
 
     def _prefill(self, step: Step) -> torch.Tensor:
         assert self.kv is not None

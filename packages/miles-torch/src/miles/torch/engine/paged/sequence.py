@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from miles.core.types import GenerateRequest
 
@@ -25,6 +29,9 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    # MoE routing record [tokens, moe_layers, top_k] (and gate weights), set when it finishes.
+    routing: npt.NDArray[np.integer[Any]] | None = None
+    routing_weights: npt.NDArray[np.float32] | None = None
 
     @property
     def tokens(self) -> list[int]:
