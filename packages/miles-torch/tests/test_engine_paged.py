@@ -309,3 +309,30 @@ def test_paged_sampler_draws_from_exactly_the_filtered_distribution(
     # Logprobs are always of the unfiltered, temperature-scaled distribution.
     unfiltered = torch.log_softmax(logits[0] / temperature, dim=-1)
     torch.testing.assert_close(logprobs, unfiltered[tokens], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_cache_tokens", [None, 200])
+def test_the_memory_plan_counts_the_cache_the_paged_engine_allocates(tiny_model, kv_cache_tokens):
+    from miles.core.config import parse
+    from miles.core.planner import plan
+
+    path = tiny_model("qwen3")
+    rollout = dict(max_batch_size=3, max_context=40, page_size=4, path="paged")
+    if kv_cache_tokens is not None:
+        rollout["kv_cache_tokens"] = kv_cache_tokens
+    run = parse(
+        {
+            "model": {"path": path},
+            "data": {"path": "x.jsonl"},
+            "rollout": {**rollout, "prompts_per_step": 2, "samples_per_prompt": 2},
+            "precision": "fp32",
+        }
+    )
+    planned = plan(run).rollout.kv_cache
+    engine = paged_engine(path, **{k: v for k, v in rollout.items() if k != "path"})
+    cache = engine._paged.kv
+    allocated = cache.numel() * cache.element_size()
+    page = allocated / cache.shape[2]
+    # The engine adds its scratch page and rounds up to whole pages.
+    assert planned <= allocated <= planned + 2 * page
+    assert planned == (kv_cache_tokens or 3 * 40) * page / 4

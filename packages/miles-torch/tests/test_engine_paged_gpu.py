@@ -236,9 +236,11 @@ def _moe_engine(path, dtype, **overrides):
 
 
 def test_paged_moe_on_gpu_records_routes_in_graphs_and_matches_transformers(tiny_model):
-    """fp32 (experts one by one, eager): the same routes and logprobs as the hf path. bf16
-    (grouped experts, decode in CUDA graphs): graphs equal eager, and the recorded routes are
-    those a transformers bf16 forward of the same tokens takes, up to bf16 ties."""
+    """fp32 (experts one by one, eager): the same tokens and routes as the hf path. bf16
+    (grouped experts, decode in CUDA graphs): the recorded routes are those a transformers bf16
+    forward of the same tokens takes, up to bf16 ties, and the logprobs are within
+    transformers' own bf16 noise. (bf16 graphs and eager steps need not agree token for token:
+    a graph runs its bucket's row count, and GEMMs round differently for different shapes.)"""
     path = tiny_model("qwen3_moe", **MOE_SHAPE)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
     reqs = requests(greedy)
@@ -253,10 +255,6 @@ def test_paged_moe_on_gpu_records_routes_in_graphs_and_matches_transformers(tiny
     sampled = requests(SamplingParams(temperature=1.0, max_new_tokens=24, seed=5))
     a = {r.request_id: r for r in graphed.results(sampled)}
     assert graphed._paged.graphs is not None and graphed._paged.graphs.graphs
-    b = {r.request_id: r for r in _moe_engine(path, "bfloat16", cuda_graphs=False).results(sampled)}
-    for rid in a:
-        assert a[rid].response_ids == b[rid].response_ids
-        assert (a[rid].routing == b[rid].routing).all()
     # Teacher-forced transformers bf16 forward over the same tokens, its routers hooked.
     from miles.torch.routing import RoutingRecorder, router_adapter
 

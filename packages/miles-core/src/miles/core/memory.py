@@ -159,6 +159,9 @@ class RolloutBytes:
     prefill_tokens: int  # prompt tokens one prefill forward holds
     notes: tuple[str, ...] = ()
     advice: Mapping[str, str] = field(default_factory=dict)
+    # Tokens of an engine that allocates its KV cache whole, up front (None: it grows with
+    # `concurrency` sequences).
+    cache_tokens: int | None = None
 
     @property
     def rows(self) -> dict[str, float]:

@@ -35,7 +35,13 @@ def format_plan(p: Plan) -> str:
             train.activations,
             rollout.activations,
         ),
-        (f"KV cache ({rollout.concurrency} seqs x {seq} tokens)", None, rollout.kv_cache),
+        (
+            f"KV cache ({rollout.concurrency} seqs x {seq} tokens)"
+            if rollout.cache_tokens is None
+            else f"KV cache ({rollout.cache_tokens:,} tokens, allocated whole)",
+            None,
+            rollout.kv_cache,
+        ),
         ("total", p.train_total, p.rollout_total),
     ]
     width = max(len(r[0]) for r in rows) + 2

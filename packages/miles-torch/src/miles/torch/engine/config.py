@@ -18,9 +18,9 @@ class TorchEngineConfig:
     # Which generation loop runs:
     # - paged: a KV cache allocated once in pages, packed prefill, paged attention, prompts
     #   shared by a group's samples and cached for later turns, CUDA graphs on GPU. For
-    #   Llama-shaped families (Llama, Qwen2, Qwen3) with full attention.
+    #   Llama-shaped families (Llama, Qwen2, Qwen3, Qwen3-MoE) with full attention.
     # - hf: transformers' model forward with its own cache, continuous batching by rows. Every
-    #   family, and MoE routing records.
+    #   family.
     # - auto: paged on a GPU where the model and run allow it, else hf (the engine logs which
     #   path it runs and why).
     path: EnginePath = "auto"
@@ -29,8 +29,8 @@ class TorchEngineConfig:
     # Paged path on GPU: the share of the device's memory the engine's weights and KV cache
     # may take (SGLang's mem_fraction_static).
     mem_fraction: float = 0.85
-    # Paged path: the KV cache's size in tokens (null: from mem_fraction on GPU, else
-    # max_batch_size x max_context).
+    # Paged path: the KV cache's size in tokens (null: max_batch_size x max_context, or less
+    # when mem_fraction of the GPU cannot hold that). The memory plan counts this size.
     kv_cache_tokens: int | None = None
     # Paged path: the longest prompt + response a request may have.
     max_context: int = 4096
