@@ -39,7 +39,9 @@ def _step0(tmp_path: Path, assets: dict[str, str], replay: str) -> dict[str, Any
         assets,
         steps=1,
         moe={"routing_replay": replay},
-        rollout={"dtype": "bfloat16"},  # rollout in bf16, training in fp32
+        # Rollout in bf16 on the paged path (routes recorded beside the K/V), training in fp32;
+        # quickstart-moe below records on the hf path.
+        rollout={"dtype": "bfloat16", "path": "paged", "page_size": 4},
         checkpoint={"at_end": False},
     )
     proc = run_miles("run", str(cfg), "--run-dir", str(tmp_path / replay))

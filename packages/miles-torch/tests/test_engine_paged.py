@@ -82,13 +82,17 @@ def test_paged_greedy_equals_generate(tiny_model):
 
 def test_preemption_chunking_and_prefix_hits_change_nothing(tiny_model):
     """A cache too small for every row (rows preempted and recomputed), prompts prefilled in
-    chunks of 8 tokens, and groups of samples sharing a prompt: the same greedy tokens and
-    logprobs as a roomy run."""
+    chunks of 8 tokens, groups of samples sharing a prompt, and rows that stop at different
+    steps (inside decode bursts): the same greedy tokens and logprobs as a roomy run."""
     path = tiny_model("qwen3")
     sampling = SamplingParams(temperature=0.0, max_new_tokens=20)
     prompts = make_requests(sampling, lens=[30, 9, 17, 23])
     group = [
-        GenerateRequest(10 * p.request_id + i, p.prompt_ids, sampling)
+        GenerateRequest(
+            10 * p.request_id + i,
+            p.prompt_ids,
+            SamplingParams(temperature=0.0, max_new_tokens=(20, 11, 5)[i]),
+        )
         for p in prompts
         for i in range(3)
     ]
