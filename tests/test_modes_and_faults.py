@@ -95,17 +95,20 @@ def test_async_updates_weights_mid_generation(
         assert not mixed
 
 
+@pytest.mark.parametrize("offload", ["auto", "never"])
 def test_colocated_engine_shares_the_trainer_bundle(
-    tmp_path: Path, tiny_assets: dict[str, str]
+    tmp_path: Path, tiny_assets: dict[str, str], offload: str
 ) -> None:
     """Engine and trainer share one bundle; weights go by handle (IPC on GPU), and the run
-    checks after every sync that the engine holds exactly the trainer's weights."""
-    run_dir = _run(tmp_path, tiny_assets, "colo", placement="colocated", steps=3)
+    checks after every sync that the engine holds exactly the trainer's weights. The hand-over
+    offloads or not as `offload` says (auto without a GPU: as always)."""
+    run_dir = _run(tmp_path, tiny_assets, "colo", placement="colocated", steps=3, offload=offload)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["weights/version"] for r in rows] == [1, 2, 3]
     assert rows[0]["train/rollout_logprob_abs_diff"] < 1e-4
     events = (run_dir / "events.jsonl").read_text()
     assert '"train_bundles": [0], "engine_bundles": [0]' in events
+    assert f'"offload": {"false" if offload == "never" else "true"}' in events
     _assert_every_sample_once(run_dir, 3)
 
 

@@ -23,6 +23,8 @@ REQUIRED_METRICS = {
     "perf/rollout_s",
     "perf/train_s",
     "perf/sync_s",
+    "perf/sync_gbps",
+    "perf/sync_verify_s",
     "perf/tokens_per_s",
     # train-inference mismatch, logged every step
     "train/rollout_kl",

@@ -193,3 +193,28 @@ def test_parse_memory(text: str, gb: float) -> None:
     assert parse_memory(text) == pytest.approx(gb)
     with pytest.raises(MemoryParseError):
         parse_memory("lots")
+
+
+@pytest.mark.parametrize(
+    ("offload", "gpu_mem_gb", "offloads"),
+    [
+        ("auto", 1.0, False),  # trainer + engines fit together: both stay
+        ("auto", 0.0002, True),  # they do not: they take turns
+        ("auto", None, True),  # no GPU memory known: as always
+        ("never", 0.0002, False),
+        ("always", 1.0, True),
+    ],
+)
+def test_a_colocated_hand_over_offloads_by_the_plan(
+    model: str, offload: str, gpu_mem_gb: float | None, offloads: bool
+) -> None:
+    from miles.core.planner import colocated_offload
+
+    run = _run(model, placement="colocated", offload=offload)
+    p = plan(run, gpu_mem_gb=gpu_mem_gb)
+    assert p.offloads is offloads
+    together = p.train_total + p.rollout_total
+    assert p.peak == (max(p.train_total, p.rollout_total) if offloads else together)
+    assert colocated_offload(run, gpu_mem_gb)[0] is offloads
+    assert ("offloads (trainer and engines take turns" in format_plan(p)) is offloads
+    assert not plan(_run(model, offload=offload), gpu_mem_gb=gpu_mem_gb).offloads  # apart

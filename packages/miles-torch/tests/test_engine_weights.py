@@ -79,6 +79,12 @@ def test_tensors_checksum_properties():
 
 @pytest.mark.gpu
 def test_tensors_checksum_is_device_independent():
-    named = [("w", torch.randn(5, 7)), ("h", torch.randn(3).to(torch.bfloat16))]
+    named = [
+        ("w", torch.randn(5, 7)),
+        ("h", torch.randn(3).to(torch.bfloat16)),
+        # Hashed on the device (1 MiB and more), one of several chunks, an odd byte count.
+        ("big", torch.randn(4099, 1031).to(torch.bfloat16)),
+        ("chunks", torch.randint(-(2**31), 2**31 - 1, (3 * 2**24 + 5,), dtype=torch.int32)),
+    ]
     on_gpu = [(n, t.cuda()) for n, t in named]
     assert tensors_checksum(named) == tensors_checksum(on_gpu)

@@ -14,7 +14,12 @@ from miles.core.weight_sync import (
     dtype_bytes,
     plan_buckets,
 )
-from miles.torch.sync.checksum import tensor_digest, tensors_checksum
+from miles.torch.sync.checksum import (
+    DEVICE_HASH_BYTES,
+    content_hash,
+    tensor_digest,
+    tensors_checksum,
+)
 
 
 def test_element_sizes_match_torch() -> None:
@@ -84,17 +89,42 @@ def test_checksum_sees_every_property_of_every_tensor() -> None:
         tensors_checksum([("w", w), ("w", w)])
 
 
-def test_digest_is_sha256_of_header_and_raw_bytes() -> None:
+def test_digest_is_sha256_of_header_and_bytes_or_their_content_hash() -> None:
     import hashlib
 
     t = torch.arange(6, dtype=torch.int16).reshape(2, 3).t()  # not contiguous
-    want = hashlib.sha256(b"x\0int16\0(3, 2)\0" + t.contiguous().numpy().tobytes()).digest()
-    assert tensor_digest("x", t) == want
+    want = hashlib.sha256(b"x\0int16\0(3, 2)\0" + b"6\0" + t.contiguous().numpy().tobytes())
+    assert tensor_digest("x", t) == want.digest()
+    big = torch.arange(DEVICE_HASH_BYTES // 4, dtype=torch.int32).reshape(-1, 2).t()
+    first, second = content_hash(big)
+    assert (first, second) == content_hash(big.contiguous())
+    header = f"y\0int32\0(2, {big.shape[1]})\0{big.numel()}\0".encode()
+    want = hashlib.sha256(header + first.to_bytes(8, "little") + second.to_bytes(8, "little"))
+    assert tensor_digest("y", big) == want.digest()
     bf = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
-    header = b"y\0bfloat16\0(2,)\0"
-    assert (
-        tensor_digest("y", bf)
-        == hashlib.sha256(header + bf.view(torch.int16).numpy().tobytes()).digest()
-    )
     total = hashlib.sha256(tensor_digest("a", bf) + tensor_digest("b", bf)).hexdigest()
     assert tensors_checksum([("b", bf), ("a", bf)]) == total
+
+
+def test_content_hash_sees_every_bit_and_where_it_is() -> None:
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(-(2**31), 2**31 - 1, (4099,), generator=g, dtype=torch.int32)
+    base = content_hash(t)
+    seen = {base}
+    for i in torch.randint(0, t.numel(), (200,), generator=g).tolist():
+        bit = int(torch.randint(0, 31, (1,), generator=g))
+        flipped = t.clone()
+        flipped[i] ^= 1 << bit
+        seen.add(content_hash(flipped))
+    assert len(seen) == 201  # every single-bit flip shows, each differently
+    swapped = t.clone()
+    swapped[[10, 11]] = swapped[[11, 10]]
+    assert content_hash(swapped) != base  # the same words in other places
+    zeros = content_hash(torch.zeros(8, dtype=torch.int32))
+    assert zeros != content_hash(torch.zeros(9, dtype=torch.int32))
+    # Sizes that are not whole 32-bit words: the tail bytes count too.
+    odd = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int8)
+    changed = odd.clone()
+    changed[4] = 6
+    assert content_hash(odd) != content_hash(changed)
+    assert content_hash(odd[:4]) != content_hash(odd)

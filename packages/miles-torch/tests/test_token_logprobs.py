@@ -105,3 +105,54 @@ def test_a_micro_batch_of_one_token_sequences_predicts_nothing() -> None:
     assert logprobs.tolist() == [0.0, 0.0] and entropy.tolist() == [0.0, 0.0]
     assert np.array_equal(mb.token_index, [0, 1])
     assert logprobs.requires_grad and entropy.requires_grad  # backward still reaches the model
+
+
+def _full_logits_reference(model: Any, mb: Any, temperature: float) -> tuple[Any, Any]:
+    """The plain path: the micro-batch's whole logits, then fp32 log-softmax."""
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    logp = torch.log_softmax(logits[mb.rows, mb.cols].float() / temperature, dim=-1)
+    targets = mb.input_ids[mb.rows, mb.cols + 1]
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_head_equals_the_full_logits_path_with_its_gradients(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch, arch: str, temperature: float
+) -> None:
+    """Real transformers models: logprobs, entropies and the gradients of every parameter
+    (the tied or untied head included) equal those of the full-logits path, with chunks of 7
+    tokens so the chunk loop runs many times."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.torch.train import chunked_head
+
+    monkeypatch.setattr(chunked_head, "CHUNK_ELEMENTS", 7 * 128)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(arch)).double().float()
+    assert model.get_output_embeddings().weight.shape[0] == 128
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        Sample(
+            prompt_ids=torch.randint(3, 128, (n,), generator=g).tolist(),
+            response_ids=torch.randint(3, 128, (m,), generator=g).tolist(),
+        )
+        for n, m in [(5, 9), (2, 17), (11, 1), (3, 6)]
+    ]
+    batch = PackedBatch.from_samples(samples)
+    mb = make_micro_batch(batch, list(range(len(samples))), torch.device("cpu"))
+    lp, ent = token_logprobs(model, mb, temperature)
+    weights = torch.rand(len(lp), generator=g)
+    (lp * weights).sum().add((ent * weights.flip(0)).sum()).backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    want_lp, want_ent = _full_logits_reference(model, mb, temperature)
+    flat = torch.zeros(mb.num_tokens).index_put((mb.target_pos,), want_lp)
+    flat_ent = torch.zeros(mb.num_tokens).index_put((mb.target_pos,), want_ent)
+    torch.testing.assert_close(lp, flat, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, flat_ent, rtol=0, atol=1e-5)
+    (flat * weights).sum().add((flat_ent * weights.flip(0)).sum()).backward()
+    theirs = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        diff = float((ours[name] - theirs[name]).abs().max())
+        assert diff <= 1e-6 + 1e-4 * float(theirs[name].abs().max()), (name, diff)

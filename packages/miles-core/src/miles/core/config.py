@@ -27,6 +27,7 @@ from miles.core.configtools import (
 
 Mode = Literal["sync", "one_step_off", "async"]
 Placement = Literal["disaggregated", "colocated"]
+Offload = Literal["auto", "always", "never"]
 # MoE routing replay: "ids" routes every trained token through the experts the rollout engine
 # chose, "ids+weights" takes their gate weights too; "off" only measures the agreement.
 ReplayMode = Literal["off", "ids", "ids+weights"]
@@ -313,6 +314,11 @@ class RunConfig:
     # disaggregated: trainer and engines on separate GPUs. colocated: each engine shares a train
     # rank's GPU, and the two take turns holding their memory.
     placement: Placement = "disaggregated"
+    # Colocated hand-over: always, the trainer moves its weights and optimizer state to host
+    # memory while the engines generate, and the engines release weights and KV cache while it
+    # trains; never, both stay on the GPU and the hand-over is a pause and a resume; auto, the
+    # memory plan decides (offload only when trainer and engines do not fit on a GPU together).
+    offload: Offload = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

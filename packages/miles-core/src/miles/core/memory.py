@@ -31,6 +31,9 @@ from miles.core.family import ModelShape
 # The lm_head's output in the compute dtype, then in fp32 (log-softmax, its exp for the entropy,
 # and the gradients of both): 16 bytes per logit besides the compute dtype's.
 _LOGIT_FP32_BYTES = 16
+# A head computed a chunk of tokens at a time holds one chunk's logits in fp32 (the logits, their
+# exp, the log-softmax, their gradient) and the weight's gradient in fp32.
+_CHUNK_FP32_BYTES = 16
 # SGLang's default prefill chunk: engines that chunk their prefill hold this many tokens at once.
 DEFAULT_PREFILL_CHUNK = 16384
 
@@ -179,11 +182,16 @@ PrecisionMemoryModel = Callable[[Any], PrecisionBytes]
 
 
 def activations(
-    inputs: TrainInputs, micro_batch_tokens: int, activation_checkpointing: bool
+    inputs: TrainInputs,
+    micro_batch_tokens: int,
+    activation_checkpointing: bool,
+    logit_chunk_tokens: int | None = None,
 ) -> float:
     """One micro-batch: every layer's saved activations (or only each layer's input with
     activation checkpointing, plus one layer recomputed), and the logits with their fp32
-    log-softmax. Tensor (with sequence) and context parallelism split them."""
+    log-softmax: of every token at once, or of `logit_chunk_tokens` at a time for a backend
+    that computes its head in chunks. Tensor (with sequence) and context parallelism split
+    them."""
     shape, layout, act_bytes = inputs.shape, inputs.layout, inputs.compute_bytes
     tokens = float(micro_batch_tokens)
     if activation_checkpointing:
@@ -191,7 +199,12 @@ def activations(
         saved = tokens * (shape.hidden_size * shape.num_layers + per_layer) * act_bytes
     else:
         saved = tokens * shape.act_elems_per_token * act_bytes
-    logits = tokens * shape.vocab_size * (act_bytes + _LOGIT_FP32_BYTES)
+    if logit_chunk_tokens is None:
+        logits = tokens * shape.vocab_size * (act_bytes + _LOGIT_FP32_BYTES)
+    else:
+        chunk = min(tokens, float(logit_chunk_tokens))
+        logits = chunk * shape.vocab_size * (act_bytes + _CHUNK_FP32_BYTES)
+        logits += 4 * shape.vocab_size * shape.hidden_size  # the head's fp32 gradient
     return (saved + logits) / (layout.tensor * layout.context)
 
 
@@ -202,6 +215,7 @@ def sharded_data_parallel(
     activation_checkpointing: bool,
     reference_copy: bool,
     advice: Mapping[str, str] | None = None,
+    logit_chunk_tokens: int | None = None,
 ) -> TrainBytes:
     """FSDP / ZeRO-3: fp32 master weights, fp32 gradients and AdamW's two fp32 moments sharded
     over every train rank; the layer being computed is gathered whole (in the compute dtype).
@@ -217,7 +231,9 @@ def sharded_data_parallel(
         weights=weights,
         gradients=4 * trainable / shards,
         optimizer=8 * trainable / shards,
-        activations=activations(inputs, micro_batch_tokens, activation_checkpointing),
+        activations=activations(
+            inputs, micro_batch_tokens, activation_checkpointing, logit_chunk_tokens
+        ),
         micro_batch_tokens=micro_batch_tokens,
         notes=_lora_note(inputs),
         advice=advice or {},

@@ -60,6 +60,16 @@ def format_plan(p: Plan) -> str:
         )
         if not p.fits:
             lines.append(advice(p))
+    if p.layout.colocated:
+        lines.append(
+            "colocated hand-over: "
+            + (
+                "offloads (trainer and engines take turns on the GPU)"
+                if p.offloads
+                else "keeps trainer and engines on the GPU together (a pause and a resume)"
+            )
+            + f"; offload: {p.run.offload}"
+        )
     lines += [f"note: {n}" for n in p.notes]
     lines.append("note: activations and KV cache are estimates from the model's widths")
     return "\n".join(lines)

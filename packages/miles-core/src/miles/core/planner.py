@@ -71,10 +71,23 @@ class Plan:
         return sum(self.rollout.rows.values())
 
     @property
+    def offloads(self) -> bool:
+        """Colocated: whether the hand-over moves memory off the GPU (`offload`). With `auto`,
+        only when the trainer and the engines do not fit on a GPU together, or when the GPU's
+        memory is not known."""
+        if not self.layout.colocated:
+            return False
+        if self.run.offload != "auto":
+            return self.run.offload == "always"
+        return self.usable is None or self.train_total + self.rollout_total > self.usable
+
+    @property
     def peak(self) -> float:
-        """The most one GPU holds: a train GPU or a rollout GPU. Colocated, the two share a GPU
-        but take turns (engines release their memory while the trainer trains, and the trainer
-        offloads while they generate), so the larger of the two again."""
+        """The most one GPU holds: a train GPU or a rollout GPU. Colocated, the two share a GPU:
+        when the hand-over offloads, they take turns (the larger of the two again); when it
+        does not, both stay (the sum)."""
+        if self.layout.colocated and not self.offloads:
+            return self.train_total + self.rollout_total
         return max(self.train_total, self.rollout_total)
 
     @property
@@ -98,6 +111,7 @@ class Plan:
             "train_gb": {k: v / GB for k, v in self.train.rows.items()},
             "rollout_gb": {k: v / GB for k, v in self.rollout.rows.items()},
             "peak_gb": self.peak / GB,
+            "offloads": self.offloads,
             "gpu_mem_gb": None if self.gpu_mem is None else self.gpu_mem / GB,
             "usable_gb": None if self.usable is None else self.usable / GB,
             "fits": self.fits,
@@ -298,3 +312,21 @@ def _rollout_bytes(run: RunConfig, inputs: RolloutInputs, notes: list[str]) -> R
         return generic_rollout(inputs, options)
     rollout_model = cast(RolloutMemoryModel, spec.memory)
     return rollout_model(inputs, built_options(spec, options))
+
+
+def colocated_offload(config: RunConfig, gpu_mem_gb: float | None) -> tuple[bool, str]:
+    """Whether a colocated run's hand-over offloads, and why (for the log). Without a known GPU
+    (a CPU run) `auto` keeps the hand-over as it always was: it moves nothing there."""
+    if config.offload != "auto":
+        return config.offload == "always", f"offload: {config.offload}"
+    if gpu_mem_gb is None:
+        return True, "no GPU memory known"
+    try:
+        p = plan(config, gpu_mem_gb=gpu_mem_gb)
+    except PlanError as exc:
+        return True, f"no memory plan ({exc})"
+    together = (p.train_total + p.rollout_total) / GB
+    usable = (p.usable or 0) / GB
+    if p.offloads:
+        return True, f"trainer + engines need {together:.1f} GB, over the {usable:.1f} GB usable"
+    return False, f"trainer + engines need {together:.1f} GB of the {usable:.1f} GB usable"

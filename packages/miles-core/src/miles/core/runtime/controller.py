@@ -29,6 +29,8 @@ import structlog
 
 from miles.core.components import Capability, Kind
 from miles.core.config import RunConfig
+from miles.core.gpu_memory import local_gpu_memory_gb
+from miles.core.planner import colocated_offload
 from miles.core.plugins import get_plugin_manager
 from miles.core.rundir import drop_rows_after, latest_valid_checkpoint
 from miles.core.runtime import checkpoints
@@ -87,6 +89,12 @@ class Controller:
                 drop_rows_after(run_dir / name, self.resume_from[0])
         self.metrics = MetricLog(config.telemetry, run_dir)
         self.colocated = config.placement == "colocated"
+        # Colocated: whether the hand-over moves memory off the GPU, by the memory plan.
+        self.offload = False
+        if self.colocated:
+            gpu_mem = config.planner.gpu_mem_gb or local_gpu_memory_gb()
+            self.offload, why = colocated_offload(config, gpu_mem)
+            log.info("colocated hand-over", offload=self.offload, reason=why)
         self.snapshots = Snapshots(config.fault, self.info.run_id, run_dir)
         self.step = -1  # the step under way (-1: before RL step 0)
         self.done_through = -1  # the last step trained, synced and snapshotted
@@ -112,7 +120,7 @@ class Controller:
             placement=self.config.placement,
             sync_bytes=self.weights.plan.num_bytes,
         )
-        if self.colocated:  # the trainer goes first (warm-start)
+        if self.offload:  # the trainer goes first (warm-start)
             ray.get(self.engines.release_memory.remote())
 
     # ── weights and faults ───────────────────────────────────────────────────────────────────────
@@ -130,11 +138,12 @@ class Controller:
 
     def _sync_after_train(self, step: int, *, new_version: bool = True) -> dict[str, float]:
         """Weights to the engines; colocated, the trainer then hands the GPU back to them."""
-        if self.colocated:
+        if self.offload:
             ray.get(self.engines.resume_memory.remote())
         metrics = self.sync_weights(step, new_version=new_version) if new_version else {}
         if self.colocated:
-            self.trainers.call("sleep")
+            if self.offload:
+                self.trainers.call("sleep")
             ray.get(self.rollout.open.remote())
         return metrics
 
@@ -342,6 +351,7 @@ class Controller:
             def train_and_sync() -> None:
                 if self.colocated:
                     ray.get(self.rollout.close.remote())
+                if self.offload:
                     ray.get(self.engines.release_memory.remote())
                     self.trainers.call("wake")
                 trains = bool(metrics["rollout/kept_samples"])

@@ -58,9 +58,13 @@ class WeightUpdater:
         with span("miles.weight_sync", step=step, version=version):
             for attempt in range(tries):
                 try:
+                    t_send = time.perf_counter()
                     sent = self._sync_once(version, finish_batches=new_version)
+                    send_s = time.perf_counter() - t_send
+                    t_verify = time.perf_counter()
                     if self.config.rollout.verify_weights:
                         self.verify(version)  # an engine may die here too: then redo it all
+                    verify_s = time.perf_counter() - t_verify
                     break
                 except (TrainerDied, WeightSyncError):
                     raise  # a lost trainer is the controller's; wrong weights are a bug
@@ -83,6 +87,9 @@ class WeightUpdater:
             "weights/version": float(self.version),
             "weights/sync_bytes": float(sent),
             "perf/sync_s": time.perf_counter() - t0,
+            # The transfer alone (gathers, buckets, loads), then the checksum comparison.
+            "perf/sync_gbps": sent / max(send_s, 1e-9) / 1e9,
+            "perf/sync_verify_s": verify_s,
         }
 
     def _tear_down(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+# fp32 elements of one chunk of the output head's logits (`chunked_head`): about 512 MB each.
+LOGIT_CHUNK_ELEMENTS = 1 << 27
 DTYPES = ("float32", "bfloat16")
 
 

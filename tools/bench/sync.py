@@ -1,0 +1,127 @@
+"""Benchmark: colocated weight sync on one GPU, against the HBM copy bandwidth measured in the
+same call (a device copy moves B bytes at half the copy bandwidth, which counts the read and the
+write).
+
+A trainer process (FSDP, bf16 compute) and an engine process (the native engine, bf16) share one
+GPU, as in a colocated run with nothing offloaded. The trainer packs each bucket of its sync plan
+and shares it through CUDA IPC (`send_weights_in_place`); the engine maps it and copies it into
+its weights (`load_bucket`): the code a run uses, with a pipe instead of Ray between the two.
+Then both sides compute the weight checksum that verification compares. Reported, median of
+`--repeats`: transfer time and GB/s, checksum time on each side.
+
+    python tools/bench/sync.py --out /tmp/sync.md [--shape 4b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_decode import QWEN3_06B, hbm_bandwidth
+
+SHAPES = {
+    "0.6b": QWEN3_06B,
+    "4b": {
+        **QWEN3_06B,
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+    },
+}
+
+
+def engine_side(path: str, requests: Any, replies: Any) -> None:
+    from miles.torch.engine.engine import TorchRolloutEngine
+
+    engine = TorchRolloutEngine(path, device="cuda", dtype="bfloat16", path="hf")
+    replies.put(("ready", None))
+    while True:
+        kind, payload = requests.get()
+        if kind == "bucket":
+            plan, index, handle = payload
+            engine.load_bucket(plan, index, handle)
+            replies.put(("loaded", None))
+        elif kind == "checksum":
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            checksum = engine.weights_checksum()
+            replies.put(("checksum", (checksum, time.perf_counter() - t)))
+        else:
+            return
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="/tmp/sync.md")
+    args = parser.parse_args()
+    from miles.torch.testing import make_tiny_model, make_trainer
+
+    bandwidth = hbm_bandwidth()
+    shape = SHAPES[args.shape]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_model(tmp, vocab_size=shape["vocab_size"], **{
+            k: v for k, v in shape.items() if k != "vocab_size"
+        })  # fmt: skip
+        ctx = mp.get_context("spawn")
+        requests, replies = ctx.Queue(), ctx.Queue()
+        engine = ctx.Process(target=engine_side, args=(path, requests, replies))
+        engine.start()
+        trainer = make_trainer(path, master_port=29547, device="cuda", dtype="bfloat16")
+        assert replies.get()[0] == "ready"
+        plan = trainer.weight_sync_plan(args.bucket_mb * 2**20)
+
+        def deliver(index: int, handle: Any) -> None:
+            requests.put(("bucket", (plan, index, handle)))
+            assert replies.get()[0] == "loaded"
+
+        sends, gbps, ours, theirs = [], [], [], []
+        for _ in range(args.repeats + 1):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            sent = trainer.send_weights_in_place(plan, deliver)
+            sends.append(time.perf_counter() - t)
+            gbps.append(sent / sends[-1] / 1e9)
+            requests.put(("checksum", None))
+            t = time.perf_counter()
+            mine = trainer.weights_checksum("bfloat16")
+            ours.append(time.perf_counter() - t)
+            _, (checksum, seconds) = replies.get()
+            theirs.append(seconds)
+            assert checksum == mine, "the engine holds other weights than the trainer"
+        requests.put(("stop", None))
+        engine.join()
+        trainer.close()
+    rows = slice(1, None)  # the first round warms up
+    text = "\n".join(
+        [
+            f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; HBM copy "
+            f"bandwidth measured now: {bandwidth / 1e12:.2f} TB/s",
+            "",
+            "| shape | sync bytes | buckets | transfer s | GB/s | % of a device copy | trainer checksum s "
+            "| engine checksum s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            f"| {args.shape} | {sent / 1e9:.2f} GB | {len(plan.buckets)} | "
+            f"{statistics.median(sends[rows]):.3f} | {statistics.median(gbps[rows]):.0f} | "
+            f"{100 * statistics.median(gbps[rows]) * 1e9 / (bandwidth / 2):.0f}% | "
+            f"{statistics.median(ours[rows]):.3f} | {statistics.median(theirs[rows]):.3f} |",
+        ]
+    )
+    print(text)
+    Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
