@@ -2,7 +2,7 @@
 same call (a device copy moves B bytes at half the copy bandwidth, which counts the read and the
 write).
 
-A trainer process (FSDP, bf16 compute) and an engine process (the native engine, bf16) share one
+A trainer process (FSDP, bf16 precision: weights go out in bf16) and an engine process (the native engine, bf16) share one
 GPU, as in a colocated run with nothing offloaded. The trainer packs each bucket of its sync plan
 and shares it through CUDA IPC (`send_weights_in_place`); the engine maps it and copies it into
 its weights (`load_bucket`): the code a run uses, with a pipe instead of Ray between the two.
@@ -79,7 +79,11 @@ def main() -> None:
         requests, replies = ctx.Queue(), ctx.Queue()
         engine = ctx.Process(target=engine_side, args=(path, requests, replies))
         engine.start()
-        trainer = make_trainer(path, master_port=29547, device="cuda", dtype="bfloat16")
+        from miles.precision.dtype import bf16
+
+        trainer = make_trainer(
+            path, master_port=29547, device="cuda", dtype="bfloat16", precision=bf16()
+        )
         assert replies.get()[0] == "ready"
         plan = trainer.weight_sync_plan(args.bucket_mb * 2**20)
 

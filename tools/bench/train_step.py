@@ -5,9 +5,9 @@ Workload: W0's trainer side (issue 19): the Qwen3-0.6B shape with random weights
 `--samples` sequences of `--seq-len` tokens per step (W0: 64 x 320), no activation
 checkpointing. Each row: the old-logprob forward and one train step (forward, backward, AdamW),
 timed over `--steps` steps after one warm-up; peak memory (`torch.cuda.max_memory_allocated`)
-over a step; the planner's train total for the same config. MFU = 6 x (matmul parameters:
-layers + output head) x tokens per step / step time / the bf16 matmul rate measured in the
-same call (the logprob forward adds 2 x ... and is counted).
+over a step; the planner's train total for the same config. MFU: 8 x (matmul parameters: the
+layers and the output head) x tokens per step / step time / the bf16 matmul rate measured in the
+same call (6 for the train step's forward and backward, 2 for the old-logprob forward).
 
     python tools/bench/train_step.py --out /tmp/train_step.md
 """
@@ -136,25 +136,28 @@ def main() -> None:
         )
         per_layer = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inter
         matmul_params = layers * per_layer + vocab * hidden
-        tokens = args.samples * args.seq_len
         # Train step: 6 flops per parameter and token; the old-logprob forward: 2 more.
-        flops = 8 * matmul_params * tokens
+        flops_per_token = 8 * matmul_params
         lines += [
             f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 matmul "
             f"measured now: {rate / 1e12:.0f} TFLOP/s; {args.checkpoint} shape, "
             f"{matmul_params / 1e6:.0f}M matmul parameters; {args.samples} x {args.seq_len} "
-            f"tokens per step; old-logprob forward + train step",
+            f"tokens per step (more when a micro-batch needs them); old-logprob forward + train step",
             "",
-            "| micro_batch_tokens | step s | MFU | peak GB (measured) | planned GB | planned / measured |",
-            "|---:|---:|---:|---:|---:|---:|",
+            "| micro_batch_tokens | tokens / step | step s | MFU | peak GB (measured) | planned GB "
+            "| planned / measured |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for mbt in [int(x) for x in args.sweep.split(",")]:
-            r = measure(tmp, mbt, args.samples, args.seq_len, args.steps)
+            # Enough sequences that the micro-batch is full (the plan assumes it is).
+            samples = max(args.samples, -(-mbt // args.seq_len))
+            r = measure(tmp, mbt, samples, args.seq_len, args.steps)
             gc.collect()
             torch.cuda.empty_cache()
             plan_gb = planned_train_gb(tmp, mbt)
             lines.append(
-                f"| {mbt} | {r['step_s']:.3f} | {100 * flops / r['step_s'] / rate:.0f}% | "
+                f"| {mbt} | {samples * args.seq_len} | {r['step_s']:.3f} | "
+                f"{100 * flops_per_token * samples * args.seq_len / r['step_s'] / rate:.0f}% | "
                 f"{r['peak_gb']:.1f} | {plan_gb:.1f} | {plan_gb / r['peak_gb']:.2f} |"
             )
             print(lines[-1], flush=True)

@@ -9,7 +9,14 @@ from typing import Any
 
 from miles.core.family import Config, ModelFamily, ModelShape, Notice, ParallelHints, ParamCounts
 from miles.recipes.families.routers import SoftmaxTopKRouter
-from miles.recipes.families.sizing import embeddings, linear, moe_act, swiglu, swiglu_act
+from miles.recipes.families.sizing import (
+    embeddings,
+    linear,
+    moe_act,
+    rms_norm_act,
+    swiglu,
+    swiglu_act,
+)
 
 # Defaults of transformers' Qwen3Config / Qwen3MoeConfig for the fields `shape` reads, so a
 # config.json that leaves them out sizes like the model transformers builds from it.
@@ -66,10 +73,11 @@ def gqa_params(c: Mapping[str, Any], heads: int, kv_heads: int, head_dim: int) -
 
 
 def gqa_act(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
-    """Per token: the block's input, q/k/v outputs, q/k after norm and rope, the attention output
-    and the output projection's result."""
+    """Per token: the block's input, q/k/v outputs, q/k's per-head RMSNorm (Qwen3), q/k after
+    rope and their rotated halves (rope's product keeps both), the attention output and the
+    output projection's result."""
     q, kv = heads * head_dim, kv_heads * head_dim
-    return hidden + (q + 2 * kv) + (q + kv) + q + hidden
+    return hidden + (q + 2 * kv) + rms_norm_act(q + kv) + 2 * (q + kv) + q + hidden
 
 
 def quantization_notices(config: Config) -> list[Notice]:
@@ -143,7 +151,9 @@ def qwen3_shape(config: Config) -> ModelShape:
     ]
     sliding = [t == "sliding_attention" and window is not None for t in types]
     kv, state = _kv_and_window({**c, "sliding_window": window}, sliding, kv_heads, head_dim)
-    act = 2 * hidden + gqa_act(hidden, heads, kv_heads, head_dim) + swiglu_act(hidden, inter)
+    # The layer's two RMSNorms, attention, the MLP.
+    norms = 2 * rms_norm_act(hidden)
+    act = norms + gqa_act(hidden, heads, kv_heads, head_dim) + swiglu_act(hidden, inter)
     return ModelShape(
         params=ParamCounts(embedding=embed, lm_head=head, layers=layers * per_layer, other=hidden),
         num_layers=layers,
@@ -173,7 +183,7 @@ def qwen3_moe_shape(config: Config) -> ModelShape:
     inter, moe_inter = int(c["intermediate_size"]), int(c["moe_intermediate_size"])
     experts, top_k = int(c["num_experts"]), int(c["num_experts_per_tok"])
     attn = gqa_params(c, heads, kv_heads, head_dim) + 2 * hidden
-    attn_act = 2 * hidden + gqa_act(hidden, heads, kv_heads, head_dim)
+    attn_act = 2 * rms_norm_act(hidden) + gqa_act(hidden, heads, kv_heads, head_dim)
     moe = [_is_moe_layer(c, i) for i in range(layers)]
     n_moe = sum(moe)
     dense_params = (layers - n_moe) * swiglu(hidden, inter)

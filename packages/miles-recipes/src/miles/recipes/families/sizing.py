@@ -22,8 +22,15 @@ def swiglu(hidden: int, intermediate: int, bias: bool = False) -> int:
 
 
 def swiglu_act(hidden: int, intermediate: int) -> int:
-    """Per token: the MLP input, gate and up outputs, the activation product, the output."""
-    return hidden + 3 * intermediate + hidden
+    """Per token: the MLP input, gate and up outputs, silu(gate), the product, the output
+    (measured on an H200: autograd keeps silu(gate) for the product's backward)."""
+    return hidden + 4 * intermediate + hidden
+
+
+def rms_norm_act(width: int) -> int:
+    """Per token, in elements of the compute dtype: transformers' RMSNorm keeps its input in
+    fp32 (2 elements' worth in bf16) and its bf16 normalised output for the weight's product."""
+    return 3 * width
 
 
 def moe_act(hidden: int, moe_intermediate: int, top_k: int, num_experts: int) -> int:

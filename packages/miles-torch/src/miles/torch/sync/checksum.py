@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+
+from miles.torch.sync import checksum_kernel
 
 _MASK32 = 0xFFFFFFFF
 # Words hashed per pass: bounds the int64 temporaries to a few hundred MB on any tensor.
@@ -51,48 +54,97 @@ def _salts(n: int, device: torch.device) -> torch.Tensor:
 _SALTS: dict[tuple[int, str], torch.Tensor] = {}
 
 
-def content_hash(tensor: torch.Tensor) -> tuple[int, int]:
-    """Two 64-bit sums over the tensor's raw bytes, computed on the tensor's device."""
+def _chunk_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """[rows, 2] int64 on the tensor's device whose column sums are the two lanes: one row per
+    chunk of words, and one for the last 1-3 bytes of a tensor that is not whole words."""
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     whole = raw.numel() // 4 * 4
     words = raw[:whole].view(torch.int32)
-    lanes = [0, 0]
-    for chunk, start in enumerate(range(0, words.numel(), _CHUNK_WORDS)):
-        w = words[start : start + _CHUNK_WORDS].to(torch.int64) & _MASK32
-        # A word's salt depends on its chunk and its place in it: unique per position.
-        salt = _salts(w.numel(), w.device) ^ int(_mix32(torch.tensor(chunk + 1)))
-        lanes[0] += int(_mix32(w ^ salt).sum())
-        lanes[1] += int(((w * ((salt & 0xFFFF) | 1)) & _MASK32).sum())
-    tail = raw[whole:].to(torch.int64)  # the last 1-3 bytes of an odd-sized tensor
+    if checksum_kernel.available(words):
+        rows = [checksum_kernel.chunk_sums(words, _CHUNK_WORDS)]
+    else:
+        rows = []
+        for chunk, start in enumerate(range(0, words.numel(), _CHUNK_WORDS)):
+            w = words[start : start + _CHUNK_WORDS].to(torch.int64) & _MASK32
+            # A word's salt depends on its chunk and its place in it: unique per position.
+            salt = _salts(w.numel(), w.device) ^ int(_mix32(torch.tensor(chunk + 1)))
+            first = _mix32(w ^ salt).sum()
+            second = ((w * ((salt & 0xFFFF) | 1)) & _MASK32).sum()
+            rows.append(torch.stack([first, second]).view(1, 2))
+    tail = raw[whole:].to(torch.int64)
     if tail.numel():
         place = 256 * torch.arange(1, tail.numel() + 1, device=tail.device)
-        lanes[0] += int(_mix32(tail + place).sum())
-    return lanes[0] % 2**64, lanes[1] % 2**64
+        rows.append(torch.stack([_mix32(tail + place).sum(), tail.new_zeros(())]).view(1, 2))
+    if not rows:
+        return torch.zeros((0, 2), dtype=torch.int64, device=raw.device)
+    return torch.cat(rows)
+
+
+def _lanes(sums: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """The two lanes of each tensor from its `_chunk_sums`; one transfer per device."""
+    host: list[Any] = [None] * len(sums)
+    for device in {s.device for s in sums}:
+        mine = [i for i, s in enumerate(sums) if s.device == device]
+        joined = torch.cat([sums[i] for i in mine]).cpu().tolist()
+        start = 0
+        for i in mine:
+            host[i] = joined[start : start + sums[i].shape[0]]
+            start += sums[i].shape[0]
+    return [(sum(r[0] for r in rows) % 2**64, sum(r[1] for r in rows) % 2**64) for rows in host]
+
+
+def content_hash(tensor: torch.Tensor) -> tuple[int, int]:
+    """Two 64-bit sums over the tensor's raw bytes, computed on the tensor's device."""
+    return _lanes([_chunk_sums(tensor)])[0]
+
+
+def _header(name: str, tensor: torch.Tensor) -> bytes:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{name}\0{dtype}\0{tuple(tensor.shape)}\0{tensor.numel()}\0".encode()
+
+
+def _hashed_on_device(tensor: torch.Tensor) -> bool:
+    return tensor.numel() * tensor.element_size() >= DEVICE_HASH_BYTES
+
+
+def _host_digest(name: str, tensor: torch.Tensor) -> bytes:
+    raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(_header(name, tensor) + raw.numpy().tobytes()).digest()
+
+
+def _lanes_digest(header: bytes, lanes: tuple[int, int]) -> bytes:
+    return hashlib.sha256(
+        header + lanes[0].to_bytes(8, "little") + lanes[1].to_bytes(8, "little")
+    ).digest()
 
 
 def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
     """sha256 over (name, dtype, shape, size, then the raw bytes or, from 1 MiB, their content
     hash)."""
-    t = tensor.detach()
-    header = f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0{t.numel()}\0"
-    digest = hashlib.sha256(header.encode())
-    if t.numel() * t.element_size() < DEVICE_HASH_BYTES:
-        raw = t.to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        digest.update(raw.numpy().tobytes())
-    else:
-        first, second = content_hash(t)
-        digest.update(first.to_bytes(8, "little") + second.to_bytes(8, "little"))
-    return digest.digest()
+    if _hashed_on_device(tensor):
+        return _lanes_digest(_header(name, tensor), content_hash(tensor))
+    return _host_digest(name, tensor)
 
 
 def tensors_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """Combines per-tensor digests in sorted name order: equal tensors give equal hashes on any
-    device and in any order; the same values in another dtype do not."""
+    device and in any order; the same values in another dtype do not.
+
+    Large tensors are hashed as they stream by (their kernels queue on the device and the
+    tensors may be freed at once); their sums come back together at the end."""
     digests: dict[str, bytes] = {}
+    headers: dict[str, bytes] = {}
+    sums: list[torch.Tensor] = []
     for name, tensor in named:
-        if name in digests:
+        if name in digests or name in headers:
             raise ValueError(f"tensor {name!r} appears twice")
-        digests[name] = tensor_digest(name, tensor)
+        if _hashed_on_device(tensor):
+            headers[name] = _header(name, tensor)
+            sums.append(_chunk_sums(tensor))
+        else:
+            digests[name] = _host_digest(name, tensor)
+    for (name, header), lanes in zip(headers.items(), _lanes(sums), strict=True):
+        digests[name] = _lanes_digest(header, lanes)
     total = hashlib.sha256()
     for name in sorted(digests):
         total.update(digests[name])
