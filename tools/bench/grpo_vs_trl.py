@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -119,7 +120,13 @@ def run_miles(model_dir: Path, data: Path, steps: int, run_dir: Path, extra: lis
     subprocess.run(cmd, check=True, env=env)
     rows = breakdown(run_dir)[2:]
     keys = ["total", "rollout", "reward", "train", "sync", "overhead"]
-    return {k: statistics.median(r[k] for r in rows) for k in keys} | {"steps": len(rows)}
+    out = {k: statistics.median(r[k] for r in rows) for k in keys} | {"steps": len(rows)}
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][2:]
+    for key in ("perf/sync_gbps", "perf/sync_verify_s", "perf/rollout_s", "perf/train_s"):
+        values = [m[key] for m in metrics if key in m]
+        if values:
+            out[key] = statistics.median(values)
+    return out
 
 
 def run_trl(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
@@ -182,10 +189,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/grpo_vs_trl.md"))
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--set", action="append", default=[], help="extra Miles settings")
+    parser.add_argument("--keep", type=Path, default=None, help="copy the Miles run's files here")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir, data = write_assets(args.work)
-    miles = run_miles(model_dir, data, args.steps, args.work / f"miles-{time.time():.0f}", args.set)
+    run_dir = args.work / f"miles-{time.time():.0f}"
+    miles = run_miles(model_dir, data, args.steps, run_dir, args.set)
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "traces.jsonl", "events.jsonl"):
+            shutil.copy(run_dir / name, args.keep / name)
     lines = [
         f"W0, median of steps 3-{args.steps} (2 warm-up steps left out)",
         "",
@@ -196,6 +209,13 @@ def main() -> None:
             f"{miles[k]:.2f}" for k in ["total", "rollout", "reward", "train", "sync", "overhead"]
         )
         + " |",
+        "",
+        "Miles per step (medians): "
+        + ", ".join(
+            f"{k} {miles[k]:.3g}"
+            for k in ("perf/rollout_s", "perf/train_s", "perf/sync_gbps", "perf/sync_verify_s")
+            if k in miles
+        ),
     ]
     if not args.skip_trl:
         trl = run_trl(model_dir, data, args.steps, args.work / "trl")

@@ -63,7 +63,7 @@ def engine_side(path: str, requests: Any, replies: Any) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
-    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--bucket-mb", default="512", help="comma-separated sizes")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="/tmp/sync.md")
     args = parser.parse_args()
@@ -85,42 +85,48 @@ def main() -> None:
             path, master_port=29547, device="cuda", dtype="bfloat16", precision=bf16()
         )
         assert replies.get()[0] == "ready"
-        plan = trainer.weight_sync_plan(args.bucket_mb * 2**20)
+        table = []
+        for bucket_mb in [int(x) for x in args.bucket_mb.split(",")]:
+            plan = trainer.weight_sync_plan(bucket_mb * 2**20)
 
-        def deliver(index: int, handle: Any) -> None:
-            requests.put(("bucket", (plan, index, handle)))
-            assert replies.get()[0] == "loaded"
+            def deliver(index: int, handle: Any, plan: Any = plan) -> None:
+                requests.put(("bucket", (plan, index, handle)))
+                assert replies.get()[0] == "loaded"
 
-        sends, gbps, ours, theirs = [], [], [], []
-        for _ in range(args.repeats + 1):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            sent = trainer.send_weights_in_place(plan, deliver)
-            sends.append(time.perf_counter() - t)
-            gbps.append(sent / sends[-1] / 1e9)
-            requests.put(("checksum", None))
-            t = time.perf_counter()
-            mine = trainer.weights_checksum("bfloat16")
-            ours.append(time.perf_counter() - t)
-            _, (checksum, seconds) = replies.get()
-            theirs.append(seconds)
-            assert checksum == mine, "the engine holds other weights than the trainer"
+            sends, gbps, ours, theirs = [], [], [], []
+            for _ in range(args.repeats + 1):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                sent = trainer.send_weights_in_place(plan, deliver)
+                sends.append(time.perf_counter() - t)
+                gbps.append(sent / sends[-1] / 1e9)
+                requests.put(("checksum", None))
+                t = time.perf_counter()
+                mine = trainer.weights_checksum("bfloat16")
+                ours.append(time.perf_counter() - t)
+                _, (checksum, seconds) = replies.get()
+                theirs.append(seconds)
+                assert checksum == mine, "the engine holds other weights than the trainer"
+            rows = slice(1, None)  # the first round warms up
+            table.append(
+                f"| {args.shape} | {sent / 1e9:.2f} GB | {bucket_mb} MB x {len(plan.buckets)} | "
+                f"{statistics.median(sends[rows]):.3f} | {statistics.median(gbps[rows]):.0f} | "
+                f"{100 * statistics.median(gbps[rows]) * 1e9 / (bandwidth / 2):.0f}% | "
+                f"{statistics.median(ours[rows]):.3f} | {statistics.median(theirs[rows]):.3f} |"
+            )
+            print(table[-1], flush=True)
         requests.put(("stop", None))
         engine.join()
         trainer.close()
-    rows = slice(1, None)  # the first round warms up
     text = "\n".join(
         [
             f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; HBM copy "
             f"bandwidth measured now: {bandwidth / 1e12:.2f} TB/s",
             "",
-            "| shape | sync bytes | buckets | transfer s | GB/s | % of a device copy | trainer checksum s "
-            "| engine checksum s |",
+            "| shape | sync bytes | buckets | transfer s | GB/s | % of a device copy "
+            "| trainer checksum s | engine checksum s |",
             "|---|---:|---:|---:|---:|---:|---:|---:|",
-            f"| {args.shape} | {sent / 1e9:.2f} GB | {len(plan.buckets)} | "
-            f"{statistics.median(sends[rows]):.3f} | {statistics.median(gbps[rows]):.0f} | "
-            f"{100 * statistics.median(gbps[rows]) * 1e9 / (bandwidth / 2):.0f}% | "
-            f"{statistics.median(ours[rows]):.3f} | {statistics.median(theirs[rows]):.3f} |",
+            *table,
         ]
     )
     print(text)
