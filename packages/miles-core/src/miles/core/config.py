@@ -89,8 +89,9 @@ class RolloutConfig:
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    # Weight-sync bucket size: large buckets keep NCCL and IPC near memory speed (370 GB/s at
-    # 512 MB against 117 GB/s at 4 MB, NCCL between two H200s); a bucket is staged whole.
+    # Weight-sync bucket size; a bucket is staged whole. Large buckets keep an NCCL broadcast
+    # near link speed (370 GB/s at 512 MB against 117 GB/s at 4 MB between two H200s) and
+    # need fewer round trips colocated (0.6B shape: 0.090 s at 512 MB, 0.127 s at 128 MB).
     sync_bucket_mb: int = 512
     verify_weights: bool = True  # checksum engine weights against the trainer's after each sync
     options: dict[str, Any] = field(default_factory=dict)

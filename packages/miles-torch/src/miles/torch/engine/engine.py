@@ -48,15 +48,6 @@ from miles.torch.sync.receiver import WeightReceiver
 from miles.torch.weights import named_state
 
 
-def _routing_recorder(model: Any, mode: ReplayMode) -> RoutingRecorder | None:
-    """A RoutingRecorder on the model's MoE routers (through its family's adapter), or None."""
-    if mode == "off":
-        return None
-    adapter = router_adapter(model, f"record_routing={mode!r}")
-    assert adapter is not None  # router_adapter raises unless the setting is 'off'
-    return RoutingRecorder(model, adapter, with_weights=mode == "ids+weights")
-
-
 def _rows(weights: torch.Tensor | None, i: int, width: int, n: int) -> torch.Tensor | None:
     if weights is None:
         return None
@@ -127,10 +118,10 @@ class TorchRolloutEngine:
         self._routing_dtype = index_dtype(int(experts or 1))
         mode, why = batching_mode(DynamicCache(config=self.model.config))
         self._padded = mode == "padded"
+        # Either path records routes only for a model whose family knows its routers.
+        adapter = router_adapter(self.model, f"record_routing={record_routing!r}")
         self.path, path_why = choose_path(path, self.device, self.model)
         if self.path == "paged":
-            if record_routing != "off":  # the family must know the model's routers
-                router_adapter(self.model, f"record_routing={record_routing!r}")
             settings = paged or TorchEngineConfig(max_batch_size=max_batch_size)
             self._paged = PagedRunner(
                 self.model,
@@ -141,8 +132,10 @@ class TorchRolloutEngine:
                 routing_dtype=self._routing_dtype,
             )
             mode, why = "paged", "pages, packed prefill, paged attention"
-        else:
-            self._recorder = _routing_recorder(self.model, record_routing)
+        elif record_routing != "off":
+            assert adapter is not None  # router_adapter raises unless the setting is 'off'
+            with_weights = record_routing == "ids+weights"
+            self._recorder = RoutingRecorder(self.model, adapter, with_weights=with_weights)
         log = structlog.get_logger(__name__)
         log.info("torch engine path", path=self.path, reason=path_why, model=model_path)
         log.info("torch engine batching", mode=mode, reason=why, model=model_path)

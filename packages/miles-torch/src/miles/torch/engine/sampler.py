@@ -19,6 +19,7 @@ import torch
 
 from miles.core.types import SamplingParams
 from miles.torch.engine import sample_kernel
+from miles.torch.int_hash import mix32
 
 NO_SEED = -1
 
@@ -108,16 +109,15 @@ def sample(
     each row's response length so far, which seeded rows need. Nothing waits on the device.
     """
     greedy = params.temperature <= 0
+    temp = torch.where(greedy, 1.0, params.temperature)
     if sample_kernel.available(logits) and not _filters(params, logits.shape[-1]):
         # One fused kernel: no [rows, vocab] fp32 intermediates, a few passes over the logits.
         if params.all_greedy:
             u = torch.zeros(logits.shape[0], device=logits.device)
         else:
             u = _uniforms(params, generator, counters)
-        one_or_t = torch.where(greedy, 1.0, params.temperature)
-        return sample_kernel.fused_sample(logits, one_or_t, greedy, u)
-    temp = torch.where(greedy, 1.0, params.temperature).unsqueeze(1)
-    logprobs_all = torch.log_softmax(logits.float() / temp, dim=-1)
+        return sample_kernel.fused_sample(logits, temp, greedy, u)
+    logprobs_all = torch.log_softmax(logits.float() / temp.unsqueeze(1), dim=-1)
     tokens = logprobs_all.argmax(dim=-1)
     if not params.all_greedy:
         candidates, ids = _top_k_top_p(logprobs_all, params)
@@ -183,29 +183,9 @@ def _draw(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
 
 
-_MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x < 2**32, in int64 without overflow: c split in 16-bit halves."""
-    low = x * (c & 0xFFFF)
-    high = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash with good avalanche (Chris Wellons' lowbias32)."""
-    x = x & _MASK32
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def seeded_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     """A uniform float32 in [0, 1) that depends only on (seed, counter), both int64 >= 0."""
-    h = _mix32(seed)
-    h = _mix32(h ^ (seed >> 32))
-    h = _mix32(h ^ counter)
+    h = mix32(seed)
+    h = mix32(h ^ (seed >> 32))
+    h = mix32(h ^ counter)
     return (h >> 8).to(torch.float32) / float(1 << 24)

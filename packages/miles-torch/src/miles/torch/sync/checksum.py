@@ -20,34 +20,20 @@ from typing import Any
 
 import torch
 
+from miles.torch.int_hash import MASK32, mix32
 from miles.torch.sync import checksum_kernel
 
-_MASK32 = 0xFFFFFFFF
 # Words hashed per pass: bounds the int64 temporaries to a few hundred MB on any tensor.
 _CHUNK_WORDS = 1 << 24
 # Tensors below this many bytes are hashed by sha256 on the host.
 DEVICE_HASH_BYTES = 1 << 20
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for 0 <= x < 2**32, in int64 without overflow."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash with good avalanche (Chris Wellons' lowbias32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def _salts(n: int, device: torch.device) -> torch.Tensor:
     """mix32(0..n-1): each word's salt within its chunk (kept per device and length)."""
     key = (n, str(device))
     if key not in _SALTS:
-        _SALTS[key] = _mix32(torch.arange(n, device=device, dtype=torch.int64))
+        _SALTS[key] = mix32(torch.arange(n, device=device, dtype=torch.int64))
     return _SALTS[key]
 
 
@@ -65,16 +51,16 @@ def _chunk_sums(tensor: torch.Tensor) -> torch.Tensor:
     else:
         rows = []
         for chunk, start in enumerate(range(0, words.numel(), _CHUNK_WORDS)):
-            w = words[start : start + _CHUNK_WORDS].to(torch.int64) & _MASK32
+            w = words[start : start + _CHUNK_WORDS].to(torch.int64) & MASK32
             # A word's salt depends on its chunk and its place in it: unique per position.
-            salt = _salts(w.numel(), w.device) ^ int(_mix32(torch.tensor(chunk + 1)))
-            first = _mix32(w ^ salt).sum()
-            second = ((w * ((salt & 0xFFFF) | 1)) & _MASK32).sum()
+            salt = _salts(w.numel(), w.device) ^ int(mix32(torch.tensor(chunk + 1)))
+            first = mix32(w ^ salt).sum()
+            second = ((w * ((salt & 0xFFFF) | 1)) & MASK32).sum()
             rows.append(torch.stack([first, second]).view(1, 2))
     tail = raw[whole:].to(torch.int64)
     if tail.numel():
         place = 256 * torch.arange(1, tail.numel() + 1, device=tail.device)
-        rows.append(torch.stack([_mix32(tail + place).sum(), tail.new_zeros(())]).view(1, 2))
+        rows.append(torch.stack([mix32(tail + place).sum(), tail.new_zeros(())]).view(1, 2))
     if not rows:
         return torch.zeros((0, 2), dtype=torch.int64, device=raw.device)
     return torch.cat(rows)

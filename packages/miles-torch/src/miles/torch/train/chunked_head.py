@@ -24,6 +24,18 @@ def chunk_tokens(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab)
 
 
+def _chunks(n: int, vocab: int) -> list[slice]:
+    chunk = chunk_tokens(vocab)
+    return [slice(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+
+def _scaled_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
+    """fp32 logits / T of one chunk, the head's matmul in its own dtype (as the plain path)."""
+    return F.linear(hidden, weight, bias).float() / temperature
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -34,17 +46,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         targets: torch.Tensor,
         temperature: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n, chunk = hidden.shape[0], chunk_tokens(weight.shape[0])
-        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logprobs)
         lse = torch.empty_like(logprobs)
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            z = F.linear(hidden[s:e], weight, bias).float() / temperature
-            lse[s:e] = torch.logsumexp(z, dim=-1)
-            logprobs[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
-            p = torch.exp(z - lse[s:e, None])
-            entropy[s:e] = lse[s:e] - (p * z).sum(dim=-1)
+        for c in _chunks(hidden.shape[0], weight.shape[0]):
+            z = _scaled_logits(hidden[c], weight, bias, temperature)
+            lse[c] = torch.logsumexp(z, dim=-1)
+            logprobs[c] = z.gather(1, targets[c, None]).squeeze(1) - lse[c]
+            entropy[c] = lse[c] - (torch.exp(z - lse[c, None]) * z).sum(dim=-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature = temperature
         return logprobs, entropy
@@ -55,33 +64,36 @@ class _ChunkedLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         temperature = ctx.temperature
-        n, chunk = hidden.shape[0], chunk_tokens(weight.shape[0])
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        # The weight's (and bias') gradient summed over chunks in fp32; only what is wanted.
         grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
-        rows = torch.arange(chunk, device=hidden.device)
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            z = F.linear(hidden[s:e], weight, bias).float() / temperature
-            logp = z - lse[s:e, None]
+        grad_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        )
+        grad_b = (
+            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+            if want_b
+            else None
+        )
+        for c in _chunks(hidden.shape[0], weight.shape[0]):
+            logp = _scaled_logits(hidden[c], weight, bias, temperature) - lse[c, None]
             p = torch.exp(logp)
             # d logp[t] / dz = onehot(t) - p;  d entropy / dz = -p * (logp + entropy)
             grad_z = -p * (
-                grad_logprobs[s:e, None] + grad_entropy[s:e, None] * (logp + entropy[s:e, None])
+                grad_logprobs[c, None] + grad_entropy[c, None] * (logp + entropy[c, None])
             )
-            grad_z[rows[: e - s], targets[s:e]] += grad_logprobs[s:e]
+            grad_z[torch.arange(len(grad_z), device=grad_z.device), targets[c]] += grad_logprobs[c]
             g = (grad_z / temperature).to(hidden.dtype)
             if grad_h is not None:
-                grad_h[s:e] = g @ weight
-            if want_w:
-                grad_w += (g.t() @ hidden[s:e]).float()
-            if want_b:
+                grad_h[c] = g @ weight
+            if grad_w is not None:
+                grad_w += (g.t() @ hidden[c]).float()
+            if grad_b is not None:
                 grad_b += g.float().sum(dim=0)
         return (
             grad_h,
-            grad_w.to(weight.dtype) if want_w else None,
-            grad_b.to(bias.dtype) if want_b else None,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
             None,
             None,
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -26,17 +26,13 @@ def token_logprobs(
     """
     targets = mb.input_ids[mb.rows, mb.cols + 1]
     head = _plain_head(model)
-    if head is not None:
-        with _head_scores_targets(head, mb, targets, temperature):
-            scores = model(
-                input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
-            ).logits
-        picked, entropy = scores[:, 0], scores[:, 1]
+    chunked = nullcontext() if head is None else _head_scores(head, mb, targets, temperature)
+    with chunked:
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+    if head is not None:  # the head gave (logprob, entropy) per predicting token
+        picked, entropy = out.logits[:, 0], out.logits[:, 1]
     else:
-        logits = model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
-        ).logits
-        logp = torch.log_softmax(logits[mb.rows, mb.cols].float() / temperature, dim=-1)
+        logp = torch.log_softmax(out.logits[mb.rows, mb.cols].float() / temperature, dim=-1)
         picked = logp.gather(-1, targets[:, None]).squeeze(-1)
         entropy = -(logp.exp() * logp).sum(-1)
     zeros = torch.zeros(mb.num_tokens, dtype=torch.float32, device=picked.device)
@@ -61,7 +57,7 @@ def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
 
 
 @contextmanager
-def _head_scores_targets(
+def _head_scores(
     head: torch.nn.Linear, mb: MicroBatch, targets: torch.Tensor, temperature: float
 ) -> Iterator[None]:
     """While set, `head` maps the model's last hidden states [rows, width, hidden] to the

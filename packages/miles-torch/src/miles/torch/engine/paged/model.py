@@ -2,12 +2,12 @@
 KV cache.
 
 It runs on the Hugging Face model's own modules and parameters, with two fusions: each layer's
-q/k/v projections become one matrix and a dense MLP's gate/up another. MoE layers run the Hugging
-Face router and our grouped experts (`moe`) over the experts' own 3-D parameters; with a
-`RouteCache` set, each MoE layer's choice is written beside the token's K/V. The fused matrices own the storage and
-the Hugging Face parameters become views into them, so weights loaded by Hugging Face name (a
-weight sync, a LoRA merge, a checksum) land in the fused matrices in place: no copy, and CUDA
-graphs captured over them stay valid.
+q/k/v projections become one matrix and a dense MLP's gate/up another. The fused matrices own
+the storage and the Hugging Face parameters become views into them, so weights loaded by Hugging
+Face name (a weight sync, a LoRA merge, a checksum) land in the fused matrices in place: no
+copy, and CUDA graphs captured over them stay valid. MoE layers run the Hugging Face router and
+our grouped experts (`moe`) over the experts' own 3-D parameters; with a `RouteCache` set, each
+MoE layer's choice is written beside the token's K/V.
 """
 
 from __future__ import annotations

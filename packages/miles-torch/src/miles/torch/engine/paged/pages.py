@@ -45,6 +45,11 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def slots(self, seq: Sequence, upto: int) -> list[int]:
+        """The cache slots (page x page_size + offset) of `seq`'s first `upto` tokens."""
+        size = self.page_size
+        return [seq.pages[p // size] * size + p % size for p in range(upto)]
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

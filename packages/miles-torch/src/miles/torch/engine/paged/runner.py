@@ -207,9 +207,7 @@ class PagedRunner:
         """Note where `seq`'s computed tokens' routes are, before its pages go back."""
         if self.model.routes is None:
             return
-        size = self.settings.page_size
-        slots = [seq.pages[p // size] * size + p % size for p in range(seq.num_computed)]
-        self._route_reads.append((seq, slots, len(seq)))
+        self._route_reads.append((seq, self.pool.slots(seq, seq.num_computed), len(seq)))
 
     def _read_routes(self) -> None:
         """Copy the noted sequences' routing records to the host, all in one transfer."""
@@ -287,7 +285,6 @@ class PagedRunner:
 
     def _prefill(self, step: Step) -> torch.Tensor:
         assert self.kv is not None
-        size = self.settings.page_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -295,7 +292,7 @@ class PagedRunner:
         cu_q, cu_k, last = [0], [0], []
         for seq, n in zip(step.seqs, step.chunks, strict=True):
             start, end = seq.num_computed, seq.num_computed + n
-            seq_slots = [seq.pages[p // size] * size + p % size for p in range(end)]
+            seq_slots = self.pool.slots(seq, end)
             ids += seq.tokens[start:end]
             positions += range(start, end)
             slots += seq_slots[start:end]
