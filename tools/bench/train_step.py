@@ -61,7 +61,16 @@ def planned_train_gb(path: str, micro_batch_tokens: int) -> float:
     return float(sum(plan(run).to_json()["train_gb"].values()))
 
 
-def measure(path: str, micro_batch_tokens: int, samples: int, seq_len: int, steps: int) -> dict:
+def measure(
+    path: str,
+    micro_batch_tokens: int,
+    samples: int,
+    seq_len: int,
+    steps: int,
+    packing: str = "auto",
+    varied: bool = False,
+    profile: bool = False,
+) -> dict:
     from miles.core.types import PackedBatch, Sample
     from miles.torch.testing import make_trainer
 
@@ -72,16 +81,24 @@ def measure(path: str, micro_batch_tokens: int, samples: int, seq_len: int, step
         lr=1e-6,
         micro_batch_tokens=micro_batch_tokens,
         dtype="bfloat16",
+        packing=packing,
     )
     rng = np.random.default_rng(0)
+    # Varied: responses of 1/8 to all of the budget, as a rollout's are (the padded layout
+    # pays for the longest of each micro-batch); else every sequence is seq_len long.
+    lengths = (
+        rng.integers((seq_len - 64) // 8, seq_len - 64 + 1, samples)
+        if varied
+        else np.full(samples, seq_len - 64)
+    )
     batch = PackedBatch.from_samples(
         [
             Sample(
                 prompt_ids=rng.integers(10, 150000, 64).tolist(),
-                response_ids=rng.integers(10, 150000, seq_len - 64).tolist(),
+                response_ids=rng.integers(10, 150000, int(n)).tolist(),
                 sample_id=i,
             )
-            for i in range(samples)
+            for i, n in enumerate(lengths)
         ],
         advantages=[1.0 if i % 2 else -1.0 for i in range(samples)],
     )
@@ -104,10 +121,22 @@ def measure(path: str, micro_batch_tokens: int, samples: int, seq_len: int, step
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated() / GB
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
     trainer.close()
     gc.collect()
     torch.cuda.empty_cache()
-    return {"step_s": statistics.median(times), "peak_gb": peak}
+    return {
+        "step_s": statistics.median(times),
+        "peak_gb": peak,
+        "tokens": int(batch.seq_lens.sum()),
+    }
 
 
 def main() -> None:
@@ -117,6 +146,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=320)
     parser.add_argument("--sweep", default="8192,16384,32768,65536")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--packing", default="auto", help="comma-separated: auto, off")
+    parser.add_argument("--varied", action="store_true", help="response lengths vary (W0-like)")
+    parser.add_argument("--profile", action="store_true", help="print a profile of each row")
     parser.add_argument("--out", default="/tmp/train_step.md")
     args = parser.parse_args()
     rate = matmul_rate()
@@ -144,23 +176,26 @@ def main() -> None:
             f"{matmul_params / 1e6:.0f}M matmul parameters; {args.samples} x {args.seq_len} "
             f"tokens per step (more when a micro-batch needs them); old-logprob forward + train step",
             "",
-            "| micro_batch_tokens | tokens / step | step s | MFU | peak GB (measured) | planned GB "
-            "| planned / measured |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
+            "| packing | micro_batch_tokens | tokens / step | step s | MFU | peak GB (measured) "
+            "| planned GB | planned / measured |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for mbt in [int(x) for x in args.sweep.split(",")]:
-            # Enough sequences that the micro-batch is full (the plan assumes it is).
-            samples = max(args.samples, -(-mbt // args.seq_len))
-            r = measure(tmp, mbt, samples, args.seq_len, args.steps)
-            gc.collect()
-            torch.cuda.empty_cache()
-            plan_gb = planned_train_gb(tmp, mbt)
-            lines.append(
-                f"| {mbt} | {samples * args.seq_len} | {r['step_s']:.3f} | "
-                f"{100 * flops_per_token * samples * args.seq_len / r['step_s'] / rate:.0f}% | "
-                f"{r['peak_gb']:.1f} | {plan_gb:.1f} | {plan_gb / r['peak_gb']:.2f} |"
-            )
-            print(lines[-1], flush=True)
+        for packing in args.packing.split(","):
+            for mbt in [int(x) for x in args.sweep.split(",")]:
+                # Enough sequences that the micro-batch is full (the plan assumes it is).
+                samples = max(args.samples, -(-mbt // args.seq_len))
+                r = measure(
+                    tmp, mbt, samples, args.seq_len, args.steps, packing, args.varied, args.profile
+                )
+                gc.collect()
+                torch.cuda.empty_cache()
+                plan_gb = planned_train_gb(tmp, mbt)
+                lines.append(
+                    f"| {packing} | {mbt} | {r['tokens']} | {r['step_s']:.3f} | "
+                    f"{100 * flops_per_token * r['tokens'] / r['step_s'] / rate:.0f}% | "
+                    f"{r['peak_gb']:.1f} | {plan_gb:.1f} | {plan_gb / r['peak_gb']:.2f} |"
+                )
+                print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)

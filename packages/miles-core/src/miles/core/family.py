@@ -137,6 +137,14 @@ class ModelFamily:
     # (path, **from_pretrained kwargs) -> the causal LM Miles trains; None: AutoModelForCausalLM.
     load: Callable[..., Any] | None = None
     chat_template: str | None = None  # Jinja, for tokenizers that ship none
+    # Every sequence-mixing layer is attention through transformers' attention interface, so
+    # sequences packed into one row (position ids restarting per sequence, cumulative lengths)
+    # train without padding. False: micro-batches are right-padded blocks with a mask.
+    packed_sequences: bool = False
+    # Class names of the model's norm modules that compute Llama's RMSNorm exactly
+    # (`weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`, attributes `weight` and
+    # `variance_epsilon`): the trainer may run them as fused kernels.
+    rms_norms: tuple[str, ...] = ()
     summary: str = ""
     # The real checkpoints this family was written against, and their config.json (so plans of a
     # hub id work without downloading it).

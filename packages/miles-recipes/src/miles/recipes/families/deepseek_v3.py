@@ -390,6 +390,8 @@ def deepseek_v3() -> ModelFamily:
         notices=notices,
         tiny=tiny,
         load=load,
+        packed_sequences=True,
+        rms_norms=("DeepseekV3RMSNorm",),
         summary="DeepSeek-V3 / Kimi K2: MLA attention, dense then MoE layers with a sigmoid "
         "group-limited top-k router and shared experts",
         checkpoints=("deepseek-ai/DeepSeek-V3",),

@@ -172,6 +172,8 @@ def kimi_k25() -> ModelFamily:
         notices=notices,
         tiny=tiny,
         load=load,
+        packed_sequences=True,
+        rms_norms=("DeepseekV3RMSNorm",),
         summary="Kimi K2.5 / K2.6: MoonViT + projector over a Kimi K2 (DeepSeek-V3) language "
         "model; Miles loads and trains the language model only",
         checkpoints=("moonshotai/Kimi-K2.5", "moonshotai/Kimi-K2.6"),

@@ -73,11 +73,12 @@ def gqa_params(c: Mapping[str, Any], heads: int, kv_heads: int, head_dim: int) -
 
 
 def gqa_act(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
-    """Per token: the block's input, q/k/v outputs, q/k's per-head RMSNorm (Qwen3), q/k after
-    rope and their rotated halves (rope's product keeps both), the attention output and the
-    output projection's result."""
+    """Per token: the projections' input, the q/k/v outputs (q/k's are what their fused
+    per-head RMSNorm keeps), q/k after norm and rope (kept by attention), the attention output
+    and the output projection's result. Measured on an H200 (`tools/bench/train_step.py`):
+    rope keeps nothing per token of its own."""
     q, kv = heads * head_dim, kv_heads * head_dim
-    return hidden + (q + 2 * kv) + rms_norm_act(q + kv) + 2 * (q + kv) + q + hidden
+    return hidden + (q + 2 * kv) + (q + kv) + q + hidden
 
 
 def quantization_notices(config: Config) -> list[Notice]:
@@ -281,6 +282,8 @@ def qwen3() -> ModelFamily:
         parallel=qwen3_parallel,
         notices=quantization_notices,
         tiny=qwen3_tiny,
+        packed_sequences=True,
+        rms_norms=("Qwen3RMSNorm",),
         summary="Qwen3 dense: GQA with q/k RMSNorm, SwiGLU MLP",
         checkpoints=("Qwen/Qwen3-0.6B",),
     )
@@ -295,6 +298,8 @@ def qwen3_moe() -> ModelFamily:
         parallel=qwen3_moe_parallel,
         notices=qwen3_moe_notices,
         tiny=qwen3_moe_tiny,
+        packed_sequences=True,
+        rms_norms=("Qwen3MoeRMSNorm",),
         summary="Qwen3-MoE: GQA with q/k RMSNorm, softmax top-k routed experts",
         checkpoints=("Qwen/Qwen3-30B-A3B",),
     )

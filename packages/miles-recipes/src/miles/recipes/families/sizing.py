@@ -28,9 +28,11 @@ def swiglu_act(hidden: int, intermediate: int) -> int:
 
 
 def rms_norm_act(width: int) -> int:
-    """Per token, in elements of the compute dtype: transformers' RMSNorm keeps its input in
-    fp32 (2 elements' worth in bf16) and its bf16 normalised output for the weight's product."""
-    return 3 * width
+    """Per token, in elements of the compute dtype: the trainer's fused RMSNorm keeps only its
+    input (and one fp32 scale per row). For families that declare their norms fusable
+    (`ModelFamily.rms_norms`); transformers' own module keeps 3 (an fp32 input copy and the
+    normalised output)."""
+    return width
 
 
 def moe_act(hidden: int, moe_intermediate: int, top_k: int, num_experts: int) -> int:

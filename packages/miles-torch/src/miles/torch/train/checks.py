@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from miles.core.config import RunConfig
+from miles.core.families import family_of_config, read_config
+from miles.core.family import ModelFamily
 from miles.torch.train.config import FSDPConfig, schedule_problem
 
 
@@ -15,7 +17,27 @@ def fsdp_run_checks(run: RunConfig, config: FSDPConfig) -> list[str]:
         problems.append(schedule_problem(config, total))
     if run.lora is not None:
         problems += _lora_target_problems(run.model.path, run.lora.targets)
+    try:
+        packs_sequences(config.packing, run.model.path)
+    except ValueError as e:
+        problems.append(str(e))
     return problems
+
+
+def packs_sequences(packing: str, model_path: str) -> bool:
+    """Whether micro-batches are packed (`FSDPConfig.packing`), by what the checkpoint's model
+    family declares (`packed_sequences`). ValueError when "on" cannot be kept."""
+    if packing == "off":
+        return False
+    family = family_of_checkpoint(model_path)
+    can = family is not None and family.packed_sequences
+    if packing == "on" and not can:
+        which = "no installed model family" if family is None else f"model family {family.name!r}"
+        raise ValueError(
+            f"train.packing: 'on', but {which} of {model_path} declares packed sequences; "
+            "use train.packing: auto (packs where it can) or off"
+        )
+    return can
 
 
 def _lora_target_problems(model_path: str, targets: list[str]) -> list[str]:
@@ -38,3 +60,9 @@ def _lora_target_problems(model_path: str, targets: list[str]) -> list[str]:
         f"lora.targets: {', '.join(map(repr, unknown))} match no linear module of "
         f"{type(model).__name__}; available: {', '.join(linear)}"
     ]
+
+
+def family_of_checkpoint(model_path: str) -> ModelFamily | None:
+    """The installed family of a local checkpoint's config.json (None: none, or a hub id)."""
+    config = read_config(model_path)
+    return family_of_config(config) if config is not None else None

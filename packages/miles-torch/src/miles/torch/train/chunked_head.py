@@ -5,7 +5,8 @@ log-softmax, its exp or their gradients) at once.
 The forward keeps the hidden states, the head's weight and one log-sum-exp per token; the
 backward computes each chunk's logits again. The arithmetic is the plain path's: logits in the
 head's dtype, then fp32 (log-softmax over logits / T); only the sums over chunks of the weight's
-gradient are added in fp32 rather than inside one matmul.
+gradient are added in fp32 rather than inside one matmul. On CUDA the softmax arithmetic of a
+chunk is one Triton pass forward and one backward (`head_kernel`); elsewhere it is torch's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles.torch.train import head_kernel
 from miles.torch.train.config import LOGIT_CHUNK_ELEMENTS
 
 CHUNK_ELEMENTS = LOGIT_CHUNK_ELEMENTS  # (a module global: tests shrink it)
@@ -29,11 +31,9 @@ def _chunks(n: int, vocab: int) -> list[slice]:
     return [slice(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
 
-def _scaled_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
-) -> torch.Tensor:
-    """fp32 logits / T of one chunk, the head's matmul in its own dtype (as the plain path)."""
-    return F.linear(hidden, weight, bias).float() / temperature
+def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / T of one chunk, from logits in the head's dtype (as the plain path)."""
+    return logits.float() / temperature
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -50,10 +50,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy = torch.empty_like(logprobs)
         lse = torch.empty_like(logprobs)
         for c in _chunks(hidden.shape[0], weight.shape[0]):
-            z = _scaled_logits(hidden[c], weight, bias, temperature)
-            lse[c] = torch.logsumexp(z, dim=-1)
-            logprobs[c] = z.gather(1, targets[c, None]).squeeze(1) - lse[c]
-            entropy[c] = lse[c] - (torch.exp(z - lse[c, None]) * z).sum(dim=-1)
+            logits = F.linear(hidden[c], weight, bias)
+            stats = head_kernel.softmax_stats if head_kernel.available(logits) else _softmax_stats
+            lse[c], logprobs[c], entropy[c] = stats(logits, targets[c], temperature)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature = temperature
         return logprobs, entropy
@@ -76,14 +75,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             else None
         )
         for c in _chunks(hidden.shape[0], weight.shape[0]):
-            logp = _scaled_logits(hidden[c], weight, bias, temperature) - lse[c, None]
-            p = torch.exp(logp)
-            # d logp[t] / dz = onehot(t) - p;  d entropy / dz = -p * (logp + entropy)
-            grad_z = -p * (
-                grad_logprobs[c, None] + grad_entropy[c, None] * (logp + entropy[c, None])
-            )
-            grad_z[torch.arange(len(grad_z), device=grad_z.device), targets[c]] += grad_logprobs[c]
-            g = (grad_z / temperature).to(hidden.dtype)
+            logits = F.linear(hidden[c], weight, bias)
+            grad_of = head_kernel.logits_grad_ if head_kernel.available(logits) else _logits_grad
+            g = grad_of(
+                logits, targets[c], lse[c], entropy[c], grad_logprobs[c], grad_entropy[c],
+                temperature,
+            ).to(hidden.dtype)  # fmt: skip
             if grad_h is not None:
                 grad_h[c] = g @ weight
             if grad_w is not None:
@@ -97,6 +94,34 @@ class _ChunkedLogprobs(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _softmax_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse, logprob of each target, entropy), fp32, of softmax(logits / T) of a chunk."""
+    z = _scaled_logits(logits, temperature)
+    lse = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(1, targets[:, None]).squeeze(1) - lse
+    return lse, logprobs, lse - (torch.exp(z - lse[:, None]) * z).sum(dim=-1)
+
+
+def _logits_grad(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """fp32 d(sum(grad_logprobs * logprob + grad_entropy * entropy)) / d(logits) of a chunk."""
+    logp = _scaled_logits(logits, temperature) - lse[:, None]
+    p = torch.exp(logp)
+    # d logp[t] / dz = onehot(t) - p;  d entropy / dz = -p * (logp + entropy)
+    grad_z = -p * (grad_logprobs[:, None] + grad_entropy[:, None] * (logp + entropy[:, None]))
+    grad_z[torch.arange(len(grad_z), device=grad_z.device), targets] += grad_logprobs
+    return grad_z / temperature
 
 
 def chunked_logprobs(

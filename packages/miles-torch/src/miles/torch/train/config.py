@@ -8,6 +8,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 # fp32 elements of one chunk of the output head's logits (`chunked_head`): about 512 MB each.
 LOGIT_CHUNK_ELEMENTS = 1 << 27
 DTYPES = ("float32", "bfloat16")
+PACKING = ("auto", "on", "off")
 
 
 @dataclass
@@ -35,7 +36,12 @@ class FSDPConfig:
     # the policy model for the reference forward (no extra device memory, two host<->device
     # copies a step).
     ref_mode: str = "copy"
+    # transformers' attention for padded micro-batches (packed ones use `packed_attention`).
     attn_implementation: str = "sdpa"
+    # Micro-batches as one row of concatenated sequences with variable-length attention, no
+    # padding: "auto" where the model family declares it can (`packed_sequences`), "on" to
+    # require it, "off" for right-padded blocks with an attention mask.
+    packing: str = "auto"
     # The critic's AdamW learning rate (None: `lr`), when the run trains one (PPO with GAE).
     critic_lr: float | None = None
     # Recompute each decoder layer in backward instead of storing its activations.
@@ -50,6 +56,8 @@ class FSDPConfig:
             raise ValueError(f"total_steps must be >= 0, got {self.total_steps}")
         if self.lr_schedule != "constant" and 0 < self.total_steps <= self.warmup_steps:
             raise ValueError(schedule_problem(self, self.total_steps))
+        if self.packing not in PACKING:
+            raise ValueError(f"packing must be one of {PACKING}, got {self.packing!r}")
         if self.ref_mode not in ("copy", "offload"):
             raise ValueError(f"ref_mode must be 'copy' or 'offload', got {self.ref_mode!r}")
         if self.dtype not in DTYPES:

@@ -47,12 +47,15 @@ from miles.torch.models import load_causal_lm
 from miles.torch.routing import RoutingReplay, router_adapter
 from miles.torch.sync.sender import WeightSender, WeightView
 from miles.torch.train import checkpoint as ckpt
+from miles.torch.train import packed_attention
+from miles.torch.train.checks import family_of_checkpoint, packs_sequences
 from miles.torch.train.config import FSDPConfig, schedule_problem
 from miles.torch.train.distributed import init_process_group, resolve_device
 from miles.torch.train.layers import decoder_layers, recompute_in_backward
 from miles.torch.train.logprobs import token_logprobs
 from miles.torch.train.microbatch import MicroBatch, shard_micro_batches
 from miles.torch.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from miles.torch.train.rms_norm import fuse_rms_norms
 from miles.torch.train.values import load_critic, token_values
 from miles.torch.weights import named_state
 
@@ -86,6 +89,9 @@ class FSDPTrainer:
         )
         torch.manual_seed(setup.seed)
         seed, model_path = setup.seed, setup.model_path
+        self.packed = packs_sequences(cfg.packing, model_path)
+        family = family_of_checkpoint(model_path)
+        self._rms_norms = () if family is None else family.rms_norms
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Hugging Face models that fully_shard turned into FSDPModules as well.
         self.model: Any
@@ -119,10 +125,11 @@ class FSDPTrainer:
         self, path: str, trainable: bool, critic: bool = False, seed: int = 0
     ) -> tuple[torch.nn.Module, list[str]]:
         """The sharded model and its decoder layers' name prefixes (see `_groups`)."""
-        attn = self.cfg.attn_implementation
+        attn = self._attention()
         model = (load_critic(path, attn, seed) if critic else _load_hf_model(path, attn)).eval()
         if not critic:  # a precision's own layers (e.g. fp8 / int4 training linears)
             _check_converted(self.setup, self.setup.precision.convert_model(model))
+        fuse_rms_norms(model, self._rms_norms, self.device)
         if trainable and not critic and self.lora is not None:
             apply_lora(model, self.lora)  # base frozen; adapters train
         layers = decoder_layers(model)
@@ -149,6 +156,9 @@ class FSDPTrainer:
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
         return model, prefixes
+
+    def _attention(self) -> str:
+        return packed_attention.NAME if self.packed else self.cfg.attn_implementation
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -401,7 +411,12 @@ class FSDPTrainer:
 
     def _micro_batches(self, batch: PackedBatch) -> list[MicroBatch]:
         return shard_micro_batches(
-            batch, self.cfg.micro_batch_tokens, self.rank, self.world_size, self.device
+            batch,
+            self.cfg.micro_batch_tokens,
+            self.rank,
+            self.world_size,
+            self.device,
+            packed=self.packed,
         )
 
     def _loss_inputs(
@@ -578,7 +593,7 @@ class FSDPTrainer:
             raise ValueError(f"{path}: checkpoint format {state['format']}, expected 1")
         if self.critic is not None and "critic_step" not in state:
             raise ValueError(f"{path}: checkpoint has no critic, but this trainer trains one")
-        attn = self.cfg.attn_implementation
+        attn = self._attention()
         for model, optimizer, _, sub in self._trained():
             if model is self.model and self.lora is not None:
                 adapters = load_file(root / sub / ADAPTER_FILE)

@@ -28,7 +28,7 @@ def token_logprobs(
     head = _plain_head(model)
     chunked = nullcontext() if head is None else _head_scores(head, mb, targets, temperature)
     with chunked:
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        out = model(**mb.model_inputs(), use_cache=False)
     if head is not None:  # the head gave (logprob, entropy) per predicting token
         picked, entropy = out.logits[:, 0], out.logits[:, 1]
     else:
@@ -60,7 +60,7 @@ def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
 def _head_scores(
     head: torch.nn.Linear, mb: MicroBatch, targets: torch.Tensor, temperature: float
 ) -> Iterator[None]:
-    """While set, `head` maps the model's last hidden states [rows, width, hidden] to the
+    """While set, `head` maps the model's last hidden states [rows, cols, hidden] to the
     [predicting tokens, 2] (logprob, entropy) of `targets`. The result leaves through the
     model's output (as its "logits"), so hooks that wait for the gradient of the model's
     outputs (FSDP's pre-backward) see it. The head is called inside the model's forward,

@@ -18,7 +18,7 @@ def token_values(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     the output carries gradients (when grad mode is on) even for a micro-batch without
     predictions, so backward reaches every layer on every rank.
     """
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+    out = model(**mb.model_inputs(), use_cache=False).logits
     picked = out[mb.rows, mb.cols, 0].float()
     zeros = torch.zeros(mb.num_tokens, dtype=torch.float32, device=out.device)
     return zeros.index_put((mb.target_pos,), picked)
