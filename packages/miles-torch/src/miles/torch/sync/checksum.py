@@ -93,9 +93,28 @@ def _hashed_on_device(tensor: torch.Tensor) -> bool:
     return tensor.numel() * tensor.element_size() >= DEVICE_HASH_BYTES
 
 
+def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def _host_digest(name: str, tensor: torch.Tensor) -> bytes:
-    raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    raw = _raw_bytes(tensor).cpu()
     return hashlib.sha256(_header(name, tensor) + raw.numpy().tobytes()).digest()
+
+
+def _host_digests(small: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """`_host_digest` of each tensor, with one transfer per device for all their bytes."""
+    digests: dict[str, bytes] = {}
+    for device in {t.device for t in small.values()}:
+        names = [n for n, t in small.items() if t.device == device]
+        raws = [_raw_bytes(small[n]) for n in names]
+        joined = torch.cat(raws).cpu().numpy().tobytes() if raws else b""
+        start = 0
+        for name, raw in zip(names, raws, strict=True):
+            end = start + raw.numel()
+            digests[name] = hashlib.sha256(_header(name, small[name]) + joined[start:end]).digest()
+            start = end
+    return digests
 
 
 def _lanes_digest(header: bytes, lanes: tuple[int, int]) -> bytes:
@@ -112,26 +131,42 @@ def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
     return _host_digest(name, tensor)
 
 
-def tensors_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """Combines per-tensor digests in sorted name order: equal tensors give equal hashes on any
-    device and in any order; the same values in another dtype do not.
+class Checksum:
+    """`tensors_checksum` as tensors arrive: `add` each (name, tensor), then `hexdigest`.
 
     Large tensors are hashed as they stream by (their kernels queue on the device and the
-    tensors may be freed at once); their sums come back together at the end."""
-    digests: dict[str, bytes] = {}
-    headers: dict[str, bytes] = {}
-    sums: list[torch.Tensor] = []
-    for name, tensor in named:
-        if name in digests or name in headers:
+    tensors may be freed at once); their sums come back together at the end, and so do the
+    small tensors' bytes (copied aside: one transfer per device, not one per tensor, and a
+    small view does not keep a large buffer alive)."""
+
+    def __init__(self) -> None:
+        self._small: dict[str, torch.Tensor] = {}
+        self._headers: dict[str, bytes] = {}
+        self._sums: list[torch.Tensor] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._small or name in self._headers:
             raise ValueError(f"tensor {name!r} appears twice")
         if _hashed_on_device(tensor):
-            headers[name] = _header(name, tensor)
-            sums.append(_chunk_sums(tensor))
+            self._headers[name] = _header(name, tensor)
+            self._sums.append(_chunk_sums(tensor))
         else:
-            digests[name] = _host_digest(name, tensor)
-    for (name, header), lanes in zip(headers.items(), _lanes(sums), strict=True):
-        digests[name] = _lanes_digest(header, lanes)
-    total = hashlib.sha256()
-    for name in sorted(digests):
-        total.update(digests[name])
-    return total.hexdigest()
+            self._small[name] = tensor.detach().clone()
+
+    def hexdigest(self) -> str:
+        digests = _host_digests(self._small)
+        for (name, header), lanes in zip(self._headers.items(), _lanes(self._sums), strict=True):
+            digests[name] = _lanes_digest(header, lanes)
+        total = hashlib.sha256()
+        for name in sorted(digests):
+            total.update(digests[name])
+        return total.hexdigest()
+
+
+def tensors_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Combines per-tensor digests in sorted name order: equal tensors give equal hashes on any
+    device and in any order; the same values in another dtype do not."""
+    checksum = Checksum()
+    for name, tensor in named:
+        checksum.add(name, tensor)
+    return checksum.hexdigest()

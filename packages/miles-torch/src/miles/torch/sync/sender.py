@@ -4,7 +4,10 @@ What engines receive is the trainer's full weights under Hugging Face names, con
 run's precision (its quantized format, or its dtype), with LoRA either merged in or sent alone
 (`lora.sync`). They travel over a broadcast group (rank 0 sends; the other ranks help gather each
 full tensor) or, colocated, bucket by bucket in place. The checksum is of the weights as an
-engine holding a given dtype must hold them after the sync.
+engine holding a given dtype must hold them after the sync. After an in-place sync whose buckets
+are exactly that (the engine's dtype, nothing decoded or applied on arrival), it is taken from
+the buckets as they are sent, so verification does not materialise the weights a second time;
+any change to the weights (`weights_changed`) drops it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from miles.core.backends import BucketDelivery, TrainSetup
 from miles.core.weight_sync import SyncPlan, plan_buckets
 from miles.precision.lora import fold_adapters
 from miles.torch.sync import ipc
-from miles.torch.sync.checksum import tensors_checksum
+from miles.torch.sync.checksum import Checksum, tensors_checksum
 from miles.torch.sync.group import SyncGroup, meta_of
 
 # "sync": what `lora.sync` says engines get; "merged": base + adapters under the base names;
@@ -35,6 +38,12 @@ class WeightSender:
         self.named_weights, self.setup, self.device = named_weights, setup, device
         self.precision = setup.precision
         self._group: SyncGroup | None = None
+        # The last in-place sync's buckets hashed as they went: (their dtypes, the checksum).
+        self._sent: tuple[set[str], Checksum] | None = None
+
+    def weights_changed(self) -> None:
+        """The trainer's weights are about to change: the last sync's checksum is stale."""
+        self._sent = None
 
     def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.precision.convert_for_rollout(self.named_weights("sync"))
@@ -69,15 +78,20 @@ class WeightSender:
         no `deliver` (no engine on this rank's GPU) the buckets are only packed: every rank
         takes part in the gathers."""
         tensors = iter(self.rollout_weights())
+        self._sent = None
+        checksum = Checksum()
         sent = 0
         for index, bucket in enumerate(plan.buckets):
             flat = ipc.pack_bucket(bucket, tensors, self.device)
+            for name, view in ipc.unpack_bucket(bucket, flat):
+                checksum.add(name, view)  # queued before the engine's copy; only sums stay
             if deliver is not None:
                 deliver(index, ipc.share(flat))
                 sent += flat.numel() * flat.element_size()
             del flat  # only now: the engine has copied out of it
         if next(tensors, None) is not None:
             raise RuntimeError("weight sync: the trainer has more tensors than the sync plan")
+        self._sent = ({b.dtype for b in plan.buckets}, checksum)
         return sent
 
     def checksum(self, dtype: str | None) -> str:
@@ -86,7 +100,13 @@ class WeightSender:
         engine_dtype = getattr(torch, dtype or "float32")
         decoder = self.precision.rollout_decoder(engine_dtype)
         lora = self.setup.lora
-        if lora is not None and lora.sync == "adapters" and decoder is not None:
+        adapters_only = lora is not None and lora.sync == "adapters"
+        if self._sent is not None and decoder is None and not adapters_only:
+            dtypes, sent = self._sent
+            if dtypes == {dtype}:  # the engine holds exactly the buckets' bytes
+                return sent.hexdigest()
+        if adapters_only and decoder is not None:
+            assert lora is not None
             # The engine converted its own base to the format and adds the adapters to it.
             base = decoder(self.precision.convert_for_rollout(self.named_weights("base")))
             adapters = dict(self.rollout_weights())  # as sent: in the engines' dtype

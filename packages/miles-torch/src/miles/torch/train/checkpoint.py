@@ -80,8 +80,18 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor behind a (possibly sharded) parameter or state; collective for DTensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+    """The whole tensor behind a (possibly sharded) parameter or state; collective for DTensor.
+
+    On a mesh of one rank the local shard is the whole tensor: it is returned as it is, without
+    the all-gather (a collective launch and a copy per tensor, which dominated a one-GPU weight
+    sync)."""
+    if not isinstance(t, DTensor):
+        return t.detach()
+    if t.device_mesh.size() == 1:
+        local = t.to_local()
+        if local.shape == t.shape:
+            return local.detach()
+    return t.full_tensor()
 
 
 def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -267,6 +267,7 @@ class FSDPTrainer:
             total = (value.detach().float() * w).sum()
             sums[key] = sums[key] + total if key in sums else total
 
+        self.weights.weights_changed()
         self.optimizer.zero_grad(set_to_none=True)
         for mb in self._micro_batches(batch):
             # Replay stays on through backward: recomputed layers route the same way.
@@ -588,6 +589,7 @@ class FSDPTrainer:
         config is this trainer's own; the reference model stays the one at model_path.
         """
         root = Path(path)
+        self.weights.weights_changed()
         state = json.loads((root / ckpt.STATE_FILE).read_text())
         if state["format"] != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {state['format']}, expected 1")
