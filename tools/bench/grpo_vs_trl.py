@@ -217,6 +217,7 @@ def main() -> None:
             if k in miles
         ),
     ]
+    args.out.write_text("\n".join(lines) + "\n")  # Miles' half survives a TRL failure
     if not args.skip_trl:
         trl = run_trl(model_dir, data, args.steps, args.work / "trl")
         lines.append(f"| TRL GRPOTrainer | {trl['total']:.2f} | | | | | |")
