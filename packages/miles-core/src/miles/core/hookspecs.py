@@ -149,6 +149,12 @@ def miles_resolve_component(kind: Kind, name: str) -> ComponentSpec | None:
 
 
 @hookspec(firstresult=True)
+def miles_local_checkpoint(model_path: str, gguf_file: str | None) -> str | None:
+    """A checkpoint that Miles' loaders and planner cannot read as it is (a GGUF file), as a
+    local Hugging Face checkpoint directory (converted once and cached). Return None to pass."""
+
+
+@hookspec(firstresult=True)
 def miles_load_tokenizer(model_path: str) -> Tokenizer | None:
     """The tokenizer of a checkpoint (a :class:`miles.core.protocols.Tokenizer`), with a chat
     template. Return None to pass."""

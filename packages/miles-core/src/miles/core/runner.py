@@ -86,6 +86,9 @@ def resolve_config(request: RunRequest) -> tuple[RunConfig, Path, Recipe | None]
             f"run directory {run_dir} is not empty: pass another --run-dir, or --resume"
         )
     if prepare is None:
+        converted = with_local_model(data)
+        if converted is not data:
+            config = check_config(converted, hints)
         check_memory(config)
         return config, run_dir, recipe
     created = not run_dir.exists()
@@ -95,7 +98,7 @@ def resolve_config(request: RunRequest) -> tuple[RunConfig, Path, Recipe | None]
         prepared = prepare(assets, config)
         # The recipe fills in paths to what it made; the user's --set still wins.
         data = apply_overrides(data, [f"{k}={_yaml_scalar(v)}" for k, v in prepared.items()])
-        data = apply_overrides(data, request.overrides)
+        data = with_local_model(apply_overrides(data, request.overrides))
         config = check_config(data, hints)
         check_memory(config)
     except BaseException:
@@ -103,6 +106,31 @@ def resolve_config(request: RunRequest) -> tuple[RunConfig, Path, Recipe | None]
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     return config, run_dir, recipe
+
+
+def with_local_model(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with model.path at a local checkpoint directory where a plugin had to make one (a
+    GGUF file, converted once and cached); `data` itself otherwise."""
+    model = data.get("model") or {}
+    path, gguf_file = str(model.get("path") or ""), model.get("gguf_file")
+    hook = get_plugin_manager().pm.hook.miles_local_checkpoint
+    try:
+        local = hook(model_path=path, gguf_file=gguf_file)
+    except (OSError, ImportError) as exc:
+        raise ConfigError([f"model.path: {exc}"]) from None
+    if local is None:
+        if gguf_file or path.endswith(".gguf"):
+            raise ConfigError(
+                [
+                    f"model.path: {path!r} is a GGUF checkpoint and no installed plugin reads "
+                    "GGUF; install miles-torch and the gguf package (pip install gguf)"
+                ]
+            )
+        return data
+    log.info(
+        "model.path: using a converted checkpoint", source=path, gguf_file=gguf_file, local=local
+    )
+    return apply_overrides(data, [f"model.path={_yaml_scalar(local)}", "model.gguf_file=null"])
 
 
 def check_config(

@@ -15,12 +15,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from miles.core.families import family_of_config, read_config
 from miles.core.family import Config, ModelFamily, quantization_config
+from miles.torch.gguf import converted_checkpoint, is_gguf
 
 log = structlog.get_logger(__name__)
 
 
 def load_causal_lm(model_path: str, **kwargs: Any) -> Any:
-    """`from_pretrained(model_path, **kwargs)` of the causal LM, through the model's family."""
+    """`from_pretrained(model_path, **kwargs)` of the causal LM, through the model's family. A
+    .gguf file loads as its converted checkpoint (`miles.torch.gguf`)."""
+    model_path = local_checkpoint(model_path)
     family, config = loading_family(model_path)
     kwargs = dequantizing(config, kwargs)
     if family is not None and family.load is not None:
@@ -30,6 +33,7 @@ def load_causal_lm(model_path: str, **kwargs: Any) -> Any:
 
 def load_tokenizer(model_path: str) -> Any:
     """The checkpoint's tokenizer; when it ships no chat template, its family's."""
+    model_path = local_checkpoint(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if getattr(tokenizer, "chat_template", None) is None:
         config = read_config(model_path)
@@ -37,6 +41,11 @@ def load_tokenizer(model_path: str) -> Any:
         if family is not None and family.chat_template is not None:
             tokenizer.chat_template = family.chat_template
     return tokenizer
+
+
+def local_checkpoint(model_path: str) -> str:
+    """`model_path`, or for a .gguf file its converted checkpoint directory."""
+    return str(converted_checkpoint(model_path)) if is_gguf(model_path) else model_path
 
 
 def loading_family(model_path: str) -> tuple[ModelFamily | None, dict[str, Any] | None]:

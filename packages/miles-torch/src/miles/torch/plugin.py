@@ -97,3 +97,12 @@ def miles_load_tokenizer(model_path: str) -> Any:
     from miles.torch.models import load_tokenizer
 
     return load_tokenizer(model_path)
+
+
+@hookimpl
+def miles_local_checkpoint(model_path: str, gguf_file: str | None) -> str | None:
+    from miles.torch import gguf
+
+    if not gguf.is_gguf(model_path, gguf_file):
+        return None
+    return str(gguf.converted_checkpoint(model_path, gguf_file))
