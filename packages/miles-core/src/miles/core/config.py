@@ -56,8 +56,11 @@ class RewardSection(ComponentRef):
 
 @dataclass
 class ModelConfig:
-    path: str = ""  # a local Hugging Face checkpoint directory or a hub id
+    path: str = ""  # a local Hugging Face checkpoint directory, a hub id, or a .gguf file
     family: str | None = None
+    # A GGUF file inside `path` (a directory), as transformers' `gguf_file`. GGUF checkpoints are
+    # converted once to a plain checkpoint (dequantised, safetensors) that the run then uses.
+    gguf_file: str | None = None
 
 
 @dataclass
@@ -182,6 +185,7 @@ class EvalConfig:
     every: int = 0  # also evaluate every N steps; 0: only at the end
     max_prompts: int | None = None
     temperature: float = 0.0  # greedy by default
+    at_start: bool = False  # also evaluate the initial weights, before the first step (logged at 0)
 
 
 @dataclass

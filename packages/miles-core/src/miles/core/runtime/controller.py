@@ -100,6 +100,8 @@ class Controller:
         self.done_through = -1  # the last step trained, synced and snapshotted
         self.warmed = False  # the warm-start trained the policy
         self.steps_redone = 0
+        self.loop_start: float | None = None  # when the first step began (perf_counter)
+        self.eval_s = 0.0  # time spent evaluating since then
 
     # ── set-up ───────────────────────────────────────────────────────────────────────────────────
 
@@ -223,9 +225,19 @@ class Controller:
     def evaluate(self, step: int) -> dict[str, float]:
         if not self.config.eval.data:
             return {}
+        t0 = time.perf_counter()
         metrics = dict(ray.get(self.rollout.evaluate.remote(step, carrier())))
+        self.eval_s += time.perf_counter() - t0
+        metrics["time/train_elapsed_s"] = self.train_elapsed()
         log.info("eval", step=step, **{k: round(v, 4) for k, v in metrics.items()})
         return metrics
+
+    def train_elapsed(self) -> float:
+        """Seconds since the first step began, less the time spent evaluating: the clock of a
+        time-to-accuracy comparison."""
+        if self.loop_start is None:
+            return 0.0
+        return time.perf_counter() - self.loop_start - self.eval_s
 
     def checkpoint(self, step: int) -> None:
         path = checkpoints.save(
@@ -287,7 +299,10 @@ class Controller:
                 if start == 0:
                     self._first_sync()
                 ray.get(self.rollout.start.remote(start, self.weights.version, carrier()))
+                if start == 0 and cfg.eval.at_start:
+                    self.metrics.log(0, self.evaluate(0))
                 progress = Progress(cfg.steps, start, enabled=cfg.telemetry.progress)
+                self.loop_start, self.eval_s = time.perf_counter(), 0.0
                 for step in range(start, cfg.steps):
                     final = self.one_step(step)
                     progress.update(final)
@@ -371,6 +386,7 @@ class Controller:
             if self.config.eval.every and (step + 1) % self.config.eval.every == 0:
                 metrics.update(self.evaluate(step))
         metrics["perf/step_s"] = time.perf_counter() - t0
+        metrics["time/train_elapsed_s"] = self.train_elapsed()
         metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / metrics["perf/step_s"]
         metrics["perf/trainer_idle_frac"] = 1.0 - metrics["perf/train_s"] / metrics["perf/step_s"]
         metrics["fault/train_restarts"] = float(self.trainers.restarts)
