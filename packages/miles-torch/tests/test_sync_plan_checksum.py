@@ -128,3 +128,15 @@ def test_content_hash_sees_every_bit_and_where_it_is() -> None:
     changed[4] = 6
     assert content_hash(odd) != content_hash(changed)
     assert content_hash(odd[:4]) != content_hash(odd)
+
+
+@pytest.mark.parametrize("words", [1, 999, 1000, 4097])
+def test_cpu_sums_are_the_torch_definition(monkeypatch: pytest.MonkeyPatch, words: int) -> None:
+    """The CPU path (numpy uint32) gives the torch path's sums, chunk by chunk."""
+    from miles.torch.sync import checksum
+
+    monkeypatch.setattr(checksum, "_CHUNK_WORDS", 1000)
+    g = torch.Generator().manual_seed(words)
+    t = torch.randint(-(2**31), 2**31 - 1, (words,), generator=g, dtype=torch.int32)
+    want = torch.cat(checksum._torch_chunk_sums(t))
+    assert torch.equal(checksum._cpu_chunk_sums(t), want)
