@@ -7,6 +7,7 @@ harness is exercised everywhere; on a GPU the handle carries only a CUDA IPC ref
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 import runpy
 from typing import Any
@@ -125,11 +126,16 @@ def test_unpack_rejects_a_buffer_of_another_size_or_dtype() -> None:
         ipc.unpack_bucket(bucket, torch.zeros(bucket.numel, dtype=torch.bfloat16))
 
 
-def test_cpu_handle_carries_the_tensor_and_pickles() -> None:
-    flat = torch.arange(10, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_handle_names_a_shared_file_and_pickles(dtype: torch.dtype) -> None:
+    flat = torch.arange(10, dtype=dtype)
     handle = ipc.share(flat)
-    assert handle.rebuild is None and handle.tensor is flat
-    assert torch.equal(ipc.open(pickle.loads(pickle.dumps(handle))), flat)
+    assert handle.rebuild is None and os.path.isfile(handle.path)
+    flat.zero_()  # the file holds a copy: the sender may reuse its buffer
+    assert torch.equal(ipc.open(pickle.loads(pickle.dumps(handle))), torch.arange(10, dtype=dtype))
+    ipc.release(handle)
+    assert not os.path.exists(handle.path)
+    ipc.release(handle)  # twice is harmless
     with pytest.raises(RuntimeError, match="empty"):
         ipc.open(ipc.IpcHandle())
 
@@ -139,7 +145,9 @@ def test_consume_hands_views_to_load() -> None:
     bucket = plan.buckets[2]  # the two bf16 tensors
     flat = ipc.pack_bucket(bucket, iter(_weights()[3:5]), "cpu")
     got: list[tuple[str, torch.Tensor]] = []
-    ipc.consume(bucket, ipc.share(flat), lambda named: got.extend((n, t.clone()) for n, t in named))
+    handle = ipc.share(flat)
+    ipc.consume(bucket, handle, lambda named: got.extend((n, t.clone()) for n, t in named))
+    ipc.release(handle)
     assert tensors_checksum(got) == tensors_checksum(_weights()[3:5])
 
 
@@ -198,11 +206,12 @@ def _sync_to_a_second_process(device: str, plan: SyncPlan) -> None:
             flat = ipc.pack_bucket(bucket, it, device)
             first = float(flat[: bucket.tensors[0].numel].double().sum())
             handle = ipc.share(flat)
-            assert (handle.tensor is None) == (device == "cuda")
+            assert bool(handle.path) == (device == "cpu")
             inbox.put(handle)
             # The round trip: the sender frees nothing until the engine has loaded the bucket.
             tag, loaded, where, seen = outbox.get(timeout=120)
             assert (tag, loaded) == ("loaded", index)
+            ipc.release(handle)
             assert where.startswith(device) and seen == pytest.approx(first, rel=1e-6)
             if device == "cuda":
                 assert flat[0].item() == SENTINEL  # the engine wrote into our memory
@@ -245,7 +254,7 @@ def test_cuda_ipc_casts_fp32_weights_into_bf16_buckets() -> None:
 def test_cuda_handle_names_the_gpu_by_uuid() -> None:
     flat = torch.arange(8, dtype=torch.float32, device="cuda")
     handle = ipc.share(flat)
-    assert handle.tensor is None and handle.rebuild is not None
+    assert not handle.path and handle.rebuild is not None
     assert handle.args[6] == flat.device.index  # the sender's index, which `open` replaces
     assert handle.device_uuid == str(torch.cuda.get_device_properties(flat.device).uuid)
     assert ipc._device_of(handle.device_uuid) == flat.device.index

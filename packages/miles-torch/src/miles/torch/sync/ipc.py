@@ -24,11 +24,17 @@ handle that is never opened keeps its block there for good.) The reply also orde
 `consume` synchronizes the receiver's device before returning, so the sender may then free or
 reuse the memory at once.
 
-On CPU (tests, CPU runs) a handle simply carries the tensor, which travels by value.
+On CPU (tests, CPU runs) the bucket is copied into a file in shared memory (`/dev/shm`) and the
+handle names the file: the engine maps it and copies out, one memcpy on each side instead of
+pickling hundreds of MB through Ray's object store. The sender removes the file once the engine
+has replied (`release`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +62,10 @@ class IpcHandle:
     rebuild: Callable[..., Any] | None = None
     args: tuple[Any, ...] = ()
     device_uuid: str = ""
-    tensor: torch.Tensor | None = None
+    # CPU: the shared-memory file holding the bucket, its element count and dtype.
+    path: str = ""
+    numel: int = 0
+    dtype: str = ""
 
 
 def pack_bucket(
@@ -116,7 +125,7 @@ def share(flat: torch.Tensor) -> IpcHandle:
     """A handle another process on the same host can `open`. Call it on the stream that wrote
     `flat`: torch records an event there, and the receiver waits on it before reading."""
     if flat.device.type != "cuda":
-        return IpcHandle(tensor=flat)
+        return _share_cpu(flat)
     rebuild, args = reduce_tensor(flat.detach())
     uuid = str(torch.cuda.get_device_properties(flat.device).uuid)
     return IpcHandle(rebuild=rebuild, args=tuple(args), device_uuid=uuid)
@@ -128,8 +137,9 @@ def open(handle: IpcHandle) -> torch.Tensor:
     The result aliases the sender's memory: copy out of it, then drop it. Open it in another
     process: CUDA IPC does not map a process's own allocation back into it.
     """
-    if handle.tensor is not None:
-        return handle.tensor
+    if handle.path:
+        dtype = getattr(torch, handle.dtype)
+        return torch.from_file(handle.path, shared=False, size=handle.numel, dtype=dtype)
     if handle.rebuild is None:
         raise RuntimeError("weight sync: an empty IPC handle")
     args = list(handle.args)
@@ -142,6 +152,32 @@ def open(handle: IpcHandle) -> torch.Tensor:
     args[_DEVICE_ARG] = _device_of(handle.device_uuid)
     tensor: torch.Tensor = handle.rebuild(*args)
     return tensor
+
+
+def release(handle: IpcHandle) -> None:
+    """The sender's end of a round trip: removes a CPU handle's file (a CUDA handle holds
+    nothing beyond the sender's tensor)."""
+    if handle.path:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(handle.path)
+
+
+def _share_cpu(flat: torch.Tensor) -> IpcHandle:
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    fd, path = tempfile.mkstemp(prefix="miles-sync-", suffix=".bin", dir=where)
+    nbytes = flat.numel() * flat.element_size()
+    try:
+        os.ftruncate(fd, nbytes)
+        if nbytes:
+            shared = torch.from_file(path, shared=True, size=flat.numel(), dtype=flat.dtype)
+            shared.copy_(flat)
+            del shared
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return IpcHandle(path=path, numel=flat.numel(), dtype=str(flat.dtype).removeprefix("torch."))
 
 
 def consume(

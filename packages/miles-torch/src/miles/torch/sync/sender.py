@@ -86,7 +86,11 @@ class WeightSender:
             for name, view in ipc.unpack_bucket(bucket, flat):
                 checksum.add(name, view)  # queued before the engine's copy; only sums stay
             if deliver is not None:
-                deliver(index, ipc.share(flat))
+                handle = ipc.share(flat)
+                try:
+                    deliver(index, handle)
+                finally:
+                    ipc.release(handle)
                 sent += flat.numel() * flat.element_size()
             del flat  # only now: the engine has copied out of it
         if next(tensors, None) is not None:
