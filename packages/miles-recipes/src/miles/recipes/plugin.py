@@ -9,6 +9,7 @@ from typing import Any
 from miles.core import ComponentSpec, Kind, hookimpl, lazy
 from miles.recipes import catalog
 from miles.recipes.quickstart import quickstart, quickstart_moe
+from miles.recipes.smollm2 import smollm2_arithmetic_cpu, smollm2_arithmetic_grpo
 
 
 @hookimpl
@@ -26,12 +27,25 @@ def miles_register_recipes() -> Iterable[ComponentSpec]:
             quickstart_moe,
             "the quickstart task on a tiny Qwen3-MoE, with MoE routing replay (moe.routing_replay)",
         ),
+        ComponentSpec(
+            Kind.RECIPE,
+            "smollm2-arithmetic-grpo",
+            smollm2_arithmetic_grpo,
+            "SmolLM2-135M-Instruct (GGUF from PyPI) learns two-digit arithmetic by GRPO, one GPU",
+        ),
+        ComponentSpec(
+            Kind.RECIPE,
+            "smollm2-arithmetic-cpu",
+            smollm2_arithmetic_cpu,
+            "the smollm2-arithmetic-grpo task sized for a laptop CPU (smaller batches, fp32)",
+        ),
         *catalog.specs(),
     ]
 
 
 # name, factory, summary. Lazy: the router adapters import torch, and listing plugins must not.
 FAMILIES = [
+    ("llama", "llama:llama", "Llama / SmolLM2 (dense)"),
     ("qwen3", "qwen3:qwen3", "Qwen3 (dense)"),
     ("qwen3_moe", "qwen3:qwen3_moe", "Qwen3-MoE: softmax top-k router"),
     ("qwen3_5", "qwen3_5:qwen3_5", "Qwen3.5 / Qwen3.6 dense: Gated DeltaNet + full attention"),
