@@ -36,7 +36,10 @@ from .conftest import run_miles, write_config
             "algorithm.loss: unknown loss 'ppo_clipp'; did you mean 'ppo_clip'?",
         ),
         (["data.path=/nope/missing.jsonl"], "/nope/missing.jsonl: file not found"),
-        (["model.path=/nope/model.gguf"], "model.path: GGUF checkpoint not found: /nope/model.gguf"),
+        (
+            ["model.path=/nope/model.gguf"],
+            "model.path: GGUF checkpoint not found: /nope/model.gguf",
+        ),
         (
             ["model.path=/nope", "model.gguf_file=m.gguf"],
             "model.path: GGUF checkpoint not found: /nope/m.gguf",

@@ -74,7 +74,9 @@ def test_engine_and_trainer_agree_on_a_real_model(run: tuple[Path, Any]) -> None
     assert first["step"] == 0
     assert first["rollout/reward_std"] > 0  # some samples trained, so logprobs were compared
     assert first["train/rollout_logprob_abs_diff"] < 1e-3
-    assert [r["step"] for r in rows if "eval/reward_mean" in r] == [0, 2]  # before and after
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    assert [r["step"] for r in evals] == [0, 2]  # before the first step (eval.at_start), at the end
+    assert evals[0]["eval/train_elapsed_s"] == 0 < evals[1]["eval/train_elapsed_s"]
 
 
 def test_saved_checkpoint_loads_without_gguf(run: tuple[Path, Any]) -> None:

@@ -75,9 +75,9 @@ def run_miles(
     subprocess.run(cmd, check=True)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [
-        (r["time/train_elapsed_s"], r["eval/reward_mean"])
+        (r["eval/train_elapsed_s"], r["eval/reward_mean"])
         for r in rows
-        if "eval/reward_mean" in r and r["time/train_elapsed_s"] <= args.seconds * 1.5
+        if "eval/reward_mean" in r and r["eval/train_elapsed_s"] <= args.seconds * 1.5
     ]
 
 

@@ -228,7 +228,8 @@ class Controller:
         t0 = time.perf_counter()
         metrics = dict(ray.get(self.rollout.evaluate.remote(step, carrier())))
         self.eval_s += time.perf_counter() - t0
-        metrics["time/train_elapsed_s"] = self.train_elapsed()
+        # Under eval/: a row of evaluation alone is not a training step (`miles report`).
+        metrics["eval/train_elapsed_s"] = self.train_elapsed()
         log.info("eval", step=step, **{k: round(v, 4) for k, v in metrics.items()})
         return metrics
 
