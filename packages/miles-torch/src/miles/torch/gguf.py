@@ -12,6 +12,7 @@ own, and a saved checkpoint loads back without GGUF.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import json
@@ -77,13 +78,14 @@ def _convert(source: Path, digest: str, out: Path) -> None:
             f"{source.name} is a GGUF checkpoint: reading it needs the `gguf` package "
             "(pip install gguf)"
         ) from None
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where, name = str(source.parent), source.name
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
     quantized = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(where, gguf_file=name)
-    # Built from the config alone, the model is ordinary: trainable, savable.
+    # Built from the config alone, without the GGUF quantizer, the model is ordinary: trainable
+    # and savable.
+    config = copy.deepcopy(quantized.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with torch.device("meta"):

@@ -99,6 +99,7 @@ class TrainActor:
             lora=config.lora,
             sync_timeout_s=config.fault.request_timeout_s,
             cpu_threads=num_threads,
+            verify_weights=config.rollout.verify_weights,
         )
         self.backend: TrainBackend = build_component(
             Kind.TRAIN_BACKEND,

@@ -31,14 +31,15 @@ DEVICE_HASH_BYTES = 1 << 20
 
 
 def _salts(n: int, device: torch.device) -> torch.Tensor:
-    """mix32(0..n-1): each word's salt within its chunk (kept per device and length)."""
-    key = (n, str(device))
-    if key not in _SALTS:
+    """mix32(0..n-1): each word's salt within its chunk. One array per device, the longest asked
+    for so far, sliced: every tensor's last chunk has its own length."""
+    key = str(device)
+    if key not in _SALTS or _SALTS[key].numel() < n:
         _SALTS[key] = mix32(torch.arange(n, device=device, dtype=torch.int64))
-    return _SALTS[key]
+    return _SALTS[key][:n]
 
 
-_SALTS: dict[tuple[int, str], torch.Tensor] = {}
+_SALTS: dict[str, torch.Tensor] = {}
 
 
 def _chunk_sums(tensor: torch.Tensor) -> torch.Tensor:
@@ -86,17 +87,21 @@ def _mix32_np(x: np.ndarray) -> np.ndarray:
 
 
 def _np_salts(n: int) -> np.ndarray:
-    if n not in _NP_SALTS:
-        _NP_SALTS[n] = _mix32_np(np.arange(n, dtype=np.uint32))
-    return _NP_SALTS[n]
+    """`_salts` for the CPU path (read-only: callers combine it into new arrays)."""
+    global _NP_SALTS
+    if _NP_SALTS.size < n:
+        _NP_SALTS = _mix32_np(np.arange(n, dtype=np.uint32))
+        _NP_SALTS.flags.writeable = False
+    return _NP_SALTS[:n]
 
 
-_NP_SALTS: dict[int, np.ndarray] = {}
+_NP_SALTS = np.zeros(0, dtype=np.uint32)
 
 
 def _cpu_chunk_sums(words: torch.Tensor) -> torch.Tensor:
     """The torch path's rows for a CPU tensor, in numpy uint32 arithmetic (native wrap-around
-    instead of int64 masking): the same sums, about 20 times faster on a CPU."""
+    instead of int64 masking): the same sums, 11 times faster (536 MB: 24 s to 2.2 s on the
+    2-core CPU machine)."""
     flat = words.numpy().view(np.uint32)
     rows = []
     for chunk, start in enumerate(range(0, flat.size, _CHUNK_WORDS)):

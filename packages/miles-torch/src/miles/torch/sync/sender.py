@@ -79,12 +79,14 @@ class WeightSender:
         takes part in the gathers."""
         tensors = iter(self.rollout_weights())
         self._sent = None
-        checksum = Checksum()
+        dtypes = {b.dtype for b in plan.buckets}
+        checksum = Checksum() if self._checksum_from_buckets(dtypes) else None
         sent = 0
         for index, bucket in enumerate(plan.buckets):
             flat = ipc.pack_bucket(bucket, tensors, self.device)
-            for name, view in ipc.unpack_bucket(bucket, flat):
-                checksum.add(name, view)  # queued before the engine's copy; only sums stay
+            if checksum is not None:
+                for name, view in ipc.unpack_bucket(bucket, flat):
+                    checksum.add(name, view)  # queued before the engine's copy; only sums stay
             if deliver is not None:
                 handle = ipc.share(flat)
                 try:
@@ -95,8 +97,21 @@ class WeightSender:
             del flat  # only now: the engine has copied out of it
         if next(tensors, None) is not None:
             raise RuntimeError("weight sync: the trainer has more tensors than the sync plan")
-        self._sent = ({b.dtype for b in plan.buckets}, checksum)
+        if checksum is not None:
+            self._sent = (dtypes, checksum)
         return sent
+
+    def _checksum_from_buckets(self, dtypes: set[str]) -> bool:
+        """Whether the buckets' own checksum is what `checksum` will be asked for: verification
+        is on, and the engine keeps exactly the buckets' bytes (one dtype, nothing decoded on
+        arrival, not adapters applied to a base)."""
+        lora = self.setup.lora
+        return (
+            self.setup.verify_weights
+            and len(dtypes) == 1
+            and not (lora is not None and lora.sync == "adapters")
+            and self.precision.rollout_decoder(getattr(torch, next(iter(dtypes)))) is None
+        )
 
     def checksum(self, dtype: str | None) -> str:
         """Hash of the weights as an engine holding `dtype` holds them after a sync (collective;
@@ -105,10 +120,8 @@ class WeightSender:
         decoder = self.precision.rollout_decoder(engine_dtype)
         lora = self.setup.lora
         adapters_only = lora is not None and lora.sync == "adapters"
-        if self._sent is not None and decoder is None and not adapters_only:
-            dtypes, sent = self._sent
-            if dtypes == {dtype}:  # the engine holds exactly the buckets' bytes
-                return sent.hexdigest()
+        if self._sent is not None and self._sent[0] == {dtype or "float32"}:
+            return self._sent[1].hexdigest()  # the engine holds exactly the buckets' bytes
         if adapters_only and decoder is not None:
             assert lora is not None
             # The engine converted its own base to the format and adds the adapters to it.
