@@ -11,13 +11,17 @@ steps both score greedy answers on the same held-out problems.
     python tools/bench/time_to_accuracy.py --seconds 240 --out /tmp/tta.md
     python tools/bench/time_to_accuracy.py --seconds 60 --prompts 4 --samples 4 --eval-size 32  # CPU
 
-Writes a Markdown table of (seconds, accuracy) for both, and a plot beside it (.png).
+Writes a Markdown table of (seconds, accuracy) for both, and a plot beside it (.png). Each side
+can run in its own call (`--skip-miles`, `--skip-trl`): the points of a skipped side are read
+from `--points`, so two calls on one machine give one report. `--trl-weights float32` runs TRL
+with fp32 weights under bf16 autocast (a third line; the default is the model loaded in bf16).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -72,13 +76,29 @@ def run_miles(
             f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}",
         ]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [
-        (r["eval/train_elapsed_s"], r["eval/reward_mean"])
-        for r in rows
-        if "eval/reward_mean" in r and r["eval/train_elapsed_s"] <= args.seconds * 1.5
-    ]
+    metrics = run_dir / "metrics.jsonl"
+
+    def points() -> list[tuple[float, float]]:
+        rows = (
+            [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+        )
+        return [
+            (r["eval/train_elapsed_s"], r["eval/reward_mean"])
+            for r in rows
+            if "eval/reward_mean" in r
+        ]
+
+    # Like TRL's side, Miles trains until an evaluation lands past the budget; Ctrl-C (SIGINT) is
+    # how a user stops `miles run`, and it ends the run cleanly.
+    process = subprocess.Popen(cmd)
+    while process.poll() is None:
+        time.sleep(1.0)
+        if any(t > args.seconds for t, _ in points()):
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=120)
+    if process.returncode not in (0, 130):
+        raise subprocess.CalledProcessError(process.returncode, cmd)
+    return points()
 
 
 def run_trl(
@@ -184,7 +204,10 @@ def run_trl(
         seed=SEED,
     )
     clock = Clock()
-    dtype = torch.bfloat16 if args.gpu else torch.float32
+    # bf16 weights (the default, as the issue measured TRL): AdamW updates them in bf16, where
+    # a step of lr 1e-5 is below the spacing of most weights' values. fp32 weights: Trainer's
+    # bf16 autocast computes in bf16 and AdamW updates fp32 weights, as Miles' trainer does.
+    dtype = getattr(torch, args.trl_weights) if args.gpu else torch.float32
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model, dtype=dtype),
         processing_class=tokenizer,
@@ -201,10 +224,17 @@ def first_time_at(points: list[tuple[float, float]], accuracy: float) -> float |
     return next((t for t, a in points if a >= accuracy), None)
 
 
-def report(
-    miles: list[tuple[float, float]], trl: list[tuple[float, float]], args: argparse.Namespace
-) -> str:
-    def at_budget(points: list[tuple[float, float]]) -> float:
+# Each side's key in the points file and its label.
+SIDES = {
+    "miles": "Miles",
+    "trl": "TRL GRPOTrainer (bf16 weights)",
+    "trl_fp32": "TRL GRPOTrainer (fp32 weights, bf16 autocast)",
+}
+Points = list[tuple[float, float]]
+
+
+def report(sides: dict[str, Points], args: argparse.Namespace) -> str:
+    def at_budget(points: Points) -> float:
         return max((a for t, a in points if t <= args.seconds), default=float("nan"))
 
     lines = [
@@ -213,35 +243,37 @@ def report(
         "",
         "| side | seconds | accuracy |",
         "|---|---:|---:|",
-        *[f"| Miles | {t:.1f} | {a:.3f} |" for t, a in miles],
-        *[f"| TRL | {t:.1f} | {a:.3f} |" for t, a in trl],
+        *[f"| {SIDES[k]} | {t:.1f} | {a:.3f} |" for k, v in sides.items() for t, a in v],
         "",
     ]
-    if trl and miles:
-        target = at_budget(trl)
-        reached = first_time_at(miles, target)
-        lines += [
-            f"TRL's best accuracy within {args.seconds} s: {target:.3f}; Miles reached it at "
-            + (
-                f"{reached:.1f} s ({reached / args.seconds:.2f} of the budget)"
-                if reached is not None
-                else "no point"
-            )
-            + f"; Miles' best within {args.seconds} s: {at_budget(miles):.3f}",
-        ]
+    miles = sides["miles"]
+    for key in ("trl", "trl_fp32"):
+        if sides[key] and miles:
+            target = at_budget(sides[key])
+            reached = first_time_at(miles, target)
+            lines += [
+                f"- {SIDES[key]}: best accuracy within {args.seconds} s {target:.3f}; Miles "
+                + (
+                    f"reached it at {reached:.1f} s ({reached / args.seconds:.2f} of the budget)"
+                    if reached is not None
+                    else "did not reach it"
+                ),
+            ]
+    if miles:
+        lines += [f"- Miles' best within {args.seconds} s: {at_budget(miles):.3f}"]
     return "\n".join(lines) + "\n"
 
 
-def plot(miles: list[tuple[float, float]], trl: list[tuple[float, float]], path: Path) -> None:
+def plot(sides: dict[str, Points], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, points in (("Miles", miles), ("TRL GRPOTrainer", trl)):
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, points in sides.items():
         if points:
-            ax.plot([t for t, _ in points], [a for _, a in points], marker="o", label=name)
+            ax.plot([t for t, _ in points], [a for _, a in points], marker="o", label=SIDES[key])
     ax.set_xlabel("training seconds (evaluation left out)")
     ax.set_ylabel("held-out accuracy (greedy)")
     ax.set_title("SmolLM2-135M-Instruct, two-digit addition, GRPO")
@@ -253,7 +285,7 @@ def plot(miles: list[tuple[float, float]], trl: list[tuple[float, float]], path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=int, default=240, help="TRL's training-time budget")
-    parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--max-steps", type=int, default=2000, help="a cap; the budget stops both")
     parser.add_argument("--eval-every", type=int, default=10, help="steps")
     parser.add_argument("--eval-size", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=8)
@@ -262,19 +294,40 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/time_to_accuracy.md"))
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-miles", action="store_true")
+    parser.add_argument(
+        "--trl-weights",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="TRL's model dtype on a GPU (bf16 training runs under autocast either way)",
+    )
+    parser.add_argument(
+        "--points",
+        type=Path,
+        default=Path("/tmp/time-to-accuracy/points.json"),
+        help="JSON of both sides' (seconds, accuracy) points, read for a skipped side and rewritten",
+    )
     args = parser.parse_args()
     import torch
 
     args.gpu = torch.cuda.is_available()
     args.work.mkdir(parents=True, exist_ok=True)
     model, data = prepare(args.work, args.eval_size)
-    miles = [] if args.skip_miles else run_miles(model, data, args)
-    args.out.write_text(report(miles, [], args))  # Miles' half survives a TRL failure
-    trl = [] if args.skip_trl else run_trl(model, data, args)
-    text = report(miles, trl, args)
+    # A side skipped here keeps the points an earlier call measured (`--points`), so the two
+    # sides can run in consecutive calls on one machine and still be reported together.
+    saved = json.loads(args.points.read_text()) if args.points.is_file() else {}
+    sides: dict[str, Points] = {k: [(t, a) for t, a in saved.get(k, [])] for k in SIDES}
+    trl_side = "trl" if args.trl_weights == "bfloat16" or not args.gpu else "trl_fp32"
+    for side, run, skip in (
+        ("miles", run_miles, args.skip_miles),
+        (trl_side, run_trl, args.skip_trl),
+    ):
+        if not skip:
+            sides[side] = run(model, data, args)
+            args.points.write_text(json.dumps(sides))  # one side survives the other's failure
+    text = report(sides, args)
     print(text)
     args.out.write_text(text)
-    plot(miles, trl, args.out.with_suffix(".png"))
+    plot(sides, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
