@@ -49,15 +49,30 @@ def engine_side(path: str, requests: Any, replies: Any) -> None:
         kind, payload = requests.get()
         if kind == "bucket":
             plan, index, handle = payload
-            engine.load_bucket(plan, index, handle)
-            replies.put(("loaded", None))
+            t = time.perf_counter()
+            engine.load_bucket(plan, index, handle)  # returns after the copies finished
+            replies.put(("loaded", time.perf_counter() - t))
         elif kind == "checksum":
             torch.cuda.synchronize()
             t = time.perf_counter()
             checksum = engine.weights_checksum()
             replies.put(("checksum", (checksum, time.perf_counter() - t)))
+        elif kind == "profile":
+            with _profiler() as prof:
+                engine.weights_checksum()
+            print("engine checksum:\n" + _table(prof), flush=True)
         else:
             return
+
+
+def _profiler() -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def _table(prof: Any) -> str:
+    return str(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
 
 
 def main() -> None:
@@ -66,6 +81,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", default="512", help="comma-separated sizes")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="/tmp/sync.md")
+    parser.add_argument("--profile", action="store_true", help="print where one round's time goes")
     args = parser.parse_args()
     from miles.torch.testing import make_tiny_model, make_trainer
 
@@ -89,12 +105,24 @@ def main() -> None:
         for bucket_mb in [int(x) for x in args.bucket_mb.split(",")]:
             plan = trainer.weight_sync_plan(bucket_mb * 2**20)
 
-            def deliver(index: int, handle: Any, plan: Any = plan) -> None:
-                requests.put(("bucket", (plan, index, handle)))
-                assert replies.get()[0] == "loaded"
+            loads: list[float] = []
 
-            sends, gbps, ours, theirs = [], [], [], []
+            def deliver(index: int, handle: Any, plan: Any = plan, loads: Any = loads) -> None:
+                requests.put(("bucket", (plan, index, handle)))
+                kind, seconds = replies.get()
+                assert kind == "loaded"
+                loads[-1] += seconds
+
+            sends, gbps, ours, theirs, packs = [], [], [], [], []
             for _ in range(args.repeats + 1):
+                # Where the transfer's time goes: packing alone (no engine), then the engine's
+                # share of the full round trips (open, copy in, synchronize).
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                trainer.send_weights_in_place(plan, None)
+                torch.cuda.synchronize()
+                packs.append(time.perf_counter() - t)
+                loads.append(0.0)
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 sent = trainer.send_weights_in_place(plan, deliver)
@@ -112,9 +140,16 @@ def main() -> None:
                 f"| {args.shape} | {sent / 1e9:.2f} GB | {bucket_mb} MB x {len(plan.buckets)} | "
                 f"{statistics.median(sends[rows]):.3f} | {statistics.median(gbps[rows]):.0f} | "
                 f"{100 * statistics.median(gbps[rows]) * 1e9 / (bandwidth / 2):.0f}% | "
-                f"{statistics.median(ours[rows]):.3f} | {statistics.median(theirs[rows]):.3f} |"
+                f"{statistics.median(ours[rows]):.3f} | {statistics.median(theirs[rows]):.3f} | "
+                f"{statistics.median(packs[rows]):.3f} | {statistics.median(loads[rows]):.3f} |"
             )
             print(table[-1], flush=True)
+            if args.profile:
+                with _profiler() as prof:
+                    trainer.send_weights_in_place(plan, deliver)
+                    torch.cuda.synchronize()
+                print("trainer send (the engine's loads inside):\n" + _table(prof), flush=True)
+                requests.put(("profile", None))
         requests.put(("stop", None))
         engine.join()
         trainer.close()
@@ -124,8 +159,9 @@ def main() -> None:
             f"bandwidth measured now: {bandwidth / 1e12:.2f} TB/s",
             "",
             "| shape | sync bytes | buckets | transfer s | GB/s | % of a device copy "
-            "| trainer checksum s | engine checksum s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| trainer checksum s | engine checksum s | of the transfer: packing alone s "
+            "| engine's load s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             *table,
         ]
     )
