@@ -28,6 +28,8 @@ from miles.torch.sync import checksum_kernel
 _CHUNK_WORDS = 1 << 24
 # Tensors below this many bytes are hashed by sha256 on the host.
 DEVICE_HASH_BYTES = 1 << 20
+# Large GPU tensors hashed in one launch, at most (they stay alive until it is queued).
+GROUP_BYTES = 1 << 30
 
 
 def _salts(n: int, device: torch.device) -> torch.Tensor:
@@ -117,7 +119,8 @@ def _cpu_chunk_sums(words: torch.Tensor) -> torch.Tensor:
 
 
 def _lanes(sums: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """The two lanes of each tensor from its `_chunk_sums`; one transfer per device."""
+    """The rows of `sums` (each [k, 2]: the two lanes of k tensors, or a tensor's rows of chunk
+    sums for `content_hash`) as (first, second) mod 2**64, in order; one transfer per device."""
     host: list[Any] = [None] * len(sums)
     for device in {s.device for s in sums}:
         mine = [i for i, s in enumerate(sums) if s.device == device]
@@ -126,12 +129,12 @@ def _lanes(sums: list[torch.Tensor]) -> list[tuple[int, int]]:
         for i in mine:
             host[i] = joined[start : start + sums[i].shape[0]]
             start += sums[i].shape[0]
-    return [(sum(r[0] for r in rows) % 2**64, sum(r[1] for r in rows) % 2**64) for rows in host]
+    return [(a % 2**64, b % 2**64) for rows in host for a, b in rows]
 
 
 def content_hash(tensor: torch.Tensor) -> tuple[int, int]:
     """Two 64-bit sums over the tensor's raw bytes, computed on the tensor's device."""
-    return _lanes([_chunk_sums(tensor)])[0]
+    return _lanes([_chunk_sums(tensor).sum(dim=0, keepdim=True)])[0]
 
 
 def _header(name: str, tensor: torch.Tensor) -> bytes:
@@ -182,28 +185,54 @@ def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
 
 
 class Checksum:
-    """`tensors_checksum` as tensors arrive: `add` each (name, tensor), then `hexdigest`.
+    """`tensors_checksum` as tensors arrive: `add` each (name, tensor), or `add_all` a stream of
+    them, then `hexdigest`.
 
     Large tensors are hashed as they stream by (their kernels queue on the device and the
-    tensors may be freed at once); their sums come back together at the end, and so do the
-    small tensors' bytes (copied aside: one transfer per device, not one per tensor, and a
-    small view does not keep a large buffer alive)."""
+    tensors may be freed at once; on a GPU, up to `GROUP_BYTES` of them in one launch); their
+    sums come back together at the end, and so do the small tensors' bytes (copied aside: one
+    transfer per device, not one per tensor, and a small view does not keep a large buffer
+    alive)."""
 
     def __init__(self) -> None:
         self._small: dict[str, torch.Tensor] = {}
-        self._headers: dict[str, bytes] = {}
-        self._sums: list[torch.Tensor] = []
+        self._headers: dict[str, bytes] = {}  # large tensors, in the order of `_sums`' rows
+        self._sums: list[torch.Tensor] = []  # [k, 2] int64 lanes of k large tensors each
+        self._pending: list[torch.Tensor] = []  # int32 words waiting for one grouped launch
+        self._pending_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._small or name in self._headers:
             raise ValueError(f"tensor {name!r} appears twice")
-        if _hashed_on_device(tensor):
-            self._headers[name] = _header(name, tensor)
-            self._sums.append(_chunk_sums(tensor))
-        else:
+        if not _hashed_on_device(tensor):
             self._small[name] = tensor.detach().clone()
+            return
+        self._headers[name] = _header(name, tensor)
+        raw = _raw_bytes(tensor)
+        words = raw.view(torch.int32) if raw.numel() % 4 == 0 and _aligned(raw) else None
+        if words is not None and checksum_kernel.groupable(words):
+            if self._pending and self._pending[0].device != words.device:
+                self._flush()
+            self._pending.append(words)
+            self._pending_bytes += raw.numel()
+            if self._pending_bytes >= GROUP_BYTES:
+                self._flush()
+        else:
+            self._flush()  # rows stay in arrival order
+            self._sums.append(_chunk_sums(tensor).sum(dim=0, keepdim=True))
+
+    def add_all(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named:
+            self.add(name, tensor)
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._sums.append(checksum_kernel.grouped_lanes(self._pending, _CHUNK_WORDS))
+            self._pending, self._pending_bytes = [], 0
 
     def hexdigest(self) -> str:
+        self._flush()
         digests = _host_digests(self._small)
         for (name, header), lanes in zip(self._headers.items(), _lanes(self._sums), strict=True):
             digests[name] = _lanes_digest(header, lanes)
@@ -213,10 +242,13 @@ class Checksum:
         return total.hexdigest()
 
 
+def _aligned(raw: torch.Tensor) -> bool:
+    return raw.data_ptr() % 4 == 0
+
+
 def tensors_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """Combines per-tensor digests in sorted name order: equal tensors give equal hashes on any
     device and in any order; the same values in another dtype do not."""
     checksum = Checksum()
-    for name, tensor in named:
-        checksum.add(name, tensor)
+    checksum.add_all(named)
     return checksum.hexdigest()

@@ -85,8 +85,8 @@ class WeightSender:
         for index, bucket in enumerate(plan.buckets):
             flat = ipc.pack_bucket(bucket, tensors, self.device)
             if checksum is not None:
-                for name, view in ipc.unpack_bucket(bucket, flat):
-                    checksum.add(name, view)  # queued before the engine's copy; only sums stay
+                # Queued before the engine's copy, in one launch; only sums stay.
+                checksum.add_all(ipc.unpack_bucket(bucket, flat))
             if deliver is not None:
                 handle = ipc.share(flat)
                 try:
