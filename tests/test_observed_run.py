@@ -304,3 +304,24 @@ def test_report_of_a_real_run_renders(tmp_path: Path, traced_run: tuple[Path, An
     ok, why = looks_rendered(screenshot(broken, tmp_path / "broken.png", tmp_path / "chrome"))
     print(why)
     assert not ok, f"a page without figures passed the check: {why}"
+
+
+# ── profiles ──────────────────────────────────────────────────────────────────────────────────
+
+
+def test_profile_steps_write_a_profile(traced_run: tuple[Path, list[Any]]) -> None:
+    """`telemetry.profile_steps` ([the last step] in this run): each train rank writes the top
+    operators of that step's train call and a Chrome trace; no other step is profiled."""
+    import gzip
+
+    run_dir, _ = traced_run
+    profiles = run_dir / "profiles"
+    names = sorted(p.name for p in profiles.iterdir())
+    want = [
+        f"train{r}-step{STEPS - 1}{ext}" for r in range(len(RANKS)) for ext in (".json.gz", ".txt")
+    ]
+    assert names == sorted(want)
+    table = (profiles / f"train0-step{STEPS - 1}.txt").read_text()
+    assert "aten::mm" in table or "aten::addmm" in table  # the model's matmuls were recorded
+    trace = json.loads(gzip.decompress((profiles / f"train0-step{STEPS - 1}.json.gz").read_bytes()))
+    assert trace["traceEvents"]

@@ -8,9 +8,15 @@ runs the algorithm's batch preparation between the backend's logprobs and its tr
 
 from __future__ import annotations
 
+import contextlib
+import gzip
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import ray
+import torch
 
 from miles.core.algorithm import Algorithm, WithEntropyBonus, WithKL, loss_weights
 from miles.core.backends import CriticBackend, Precision, TrainBackend, TrainSetup
@@ -75,7 +81,7 @@ class TrainActor:
         num_threads: int | None,
     ) -> None:
         init_actor_process(run_dir, role=f"train{rank}")
-        self.rank, self.config = rank, config
+        self.rank, self.config, self.run_dir = rank, config, run_dir
         self.algorithm = build_algorithm(config)
         precision: Precision = build_component(Kind.PRECISION, config.precision, path="precision")
         setup = TrainSetup(
@@ -115,7 +121,11 @@ class TrainActor:
     def train(self, batch: PackedBatch, step: int, trace: dict[str, str]) -> dict[str, float]:
         """Old and reference logprobs, advantages and loss weights (every rank computes the
         same), then one optimizer step with the RL loss (and one for the critic)."""
-        with attached(trace), span("miles.train_step", step=step, rank=self.rank):
+        with (
+            attached(trace),
+            span("miles.train_step", step=step, rank=self.rank),
+            self._profiled(step),
+        ):
             with span("miles.logprobs", step=step, rank=self.rank):
                 out = self.backend.logprobs(batch)
             critic = cast(CriticBackend, self.backend)
@@ -129,6 +139,39 @@ class TrainActor:
             if self.algorithm.value_loss is not None:
                 metrics.update(critic.train_value_step(batch, self.algorithm.value_loss))
             return metrics
+
+    @contextlib.contextmanager
+    def _profiled(self, step: int) -> Iterator[None]:
+        """`telemetry.profile_steps`: this step's train call under torch.profiler."""
+        if step not in self.config.telemetry.profile_steps or self.run_dir is None:
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            yield
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        out = Path(self.run_dir) / "profiles"
+        out.mkdir(exist_ok=True)
+        stem = out / f"train{self.rank}-step{step}"
+        averages = prof.key_averages()
+        tables = [
+            f"sorted by {key}:\n" + averages.table(sort_by=key, row_limit=40)
+            for key in (
+                "self_cpu_time_total",
+                "self_device_time_total" if torch.cuda.is_available() else "cpu_time_total",
+            )
+        ]
+        stem.with_suffix(".txt").write_text("\n\n".join(tables))
+        trace = stem.with_suffix(".json")
+        prof.export_chrome_trace(str(trace))
+        with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        trace.unlink()
 
     def warmstart_step(
         self, batch: PackedBatch, step: int, trace: dict[str, str]
