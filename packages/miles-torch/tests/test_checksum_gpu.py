@@ -34,16 +34,16 @@ def test_gpu_checksum_equals_cpu_checksum() -> None:
 
 
 def test_views_into_one_bucket_hash_like_separate_tensors() -> None:
-    named = _named("cuda")
-    flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named])
+    """A sync bucket: one dtype, tensors back to back, so after an odd-sized bf16 tensor the
+    views sit at 2-byte offsets (those take the per-tensor path; the rest are grouped)."""
+    named = [(n, t.to(torch.bfloat16)) for n, t in _named("cpu") if t.is_floating_point()]
+    flat = torch.cat([t.reshape(-1) for _, t in named]).cuda()
     views, start = [], 0
     for name, t in named:
-        size = t.numel() * t.element_size()
-        views.append((name, flat[start : start + size].view(t.dtype).view(t.shape)))
-        start += size
-    # The views after the odd-sized bf16 one sit at 2-byte offsets: the per-tensor path.
+        views.append((name, flat[start : start + t.numel()].view(t.shape)))
+        start += t.numel()
     assert any(v.data_ptr() % 4 for _, v in views)
-    assert tensors_checksum(views) == tensors_checksum(_named("cpu"))
+    assert tensors_checksum(views) == tensors_checksum(named)
 
 
 def test_a_flipped_bit_changes_the_checksum() -> None:
