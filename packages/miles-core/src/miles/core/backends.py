@@ -9,6 +9,7 @@ named only for type checkers: miles-core itself never imports torch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -193,6 +194,11 @@ class TrainBackend(Protocol):
     def train_step(self, batch: PackedBatch, loss: PolicyLoss) -> dict[str, float]:
         """One optimizer step; "train/loss", "train/grad_norm", "train/lr" and the loss's
         metrics, the same on every rank."""
+        ...
+
+    def profiled(self, path: str) -> AbstractContextManager[None]:
+        """What runs inside, under the backend's profiler, written to files whose names start
+        with `path` (`telemetry.profile_steps`). Optional: a backend without it is not profiled."""
         ...
 
     def weight_sync_plan(self, bucket_bytes: int) -> SyncPlan:

@@ -9,14 +9,12 @@ runs the algorithm's batch preparation between the backend's logprobs and its tr
 from __future__ import annotations
 
 import contextlib
-import gzip
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import ray
-import torch
+import structlog
 
 from miles.core.algorithm import Algorithm, WithEntropyBonus, WithKL, loss_weights
 from miles.core.backends import CriticBackend, Precision, TrainBackend, TrainSetup
@@ -142,36 +140,20 @@ class TrainActor:
 
     @contextlib.contextmanager
     def _profiled(self, step: int) -> Iterator[None]:
-        """`telemetry.profile_steps`: this step's train call under torch.profiler."""
+        """`telemetry.profile_steps`: this step's train call under the backend's profiler."""
+        profiled = getattr(self.backend, "profiled", None)
         if step not in self.config.telemetry.profile_steps or self.run_dir is None:
             yield
-            return
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(ProfilerActivity.CUDA)
-        with profile(activities=activities) as prof:
-            yield
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-        out = Path(self.run_dir) / "profiles"
-        out.mkdir(exist_ok=True)
-        stem = out / f"train{self.rank}-step{step}"
-        averages = prof.key_averages()
-        tables = [
-            f"sorted by {key}:\n" + averages.table(sort_by=key, row_limit=40)
-            for key in (
-                "self_cpu_time_total",
-                "self_device_time_total" if torch.cuda.is_available() else "cpu_time_total",
+        elif profiled is None:
+            structlog.get_logger(__name__).warning(
+                "telemetry.profile_steps: this train backend has no profiler", step=step
             )
-        ]
-        stem.with_suffix(".txt").write_text("\n\n".join(tables))
-        trace = stem.with_suffix(".json")
-        prof.export_chrome_trace(str(trace))
-        with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-            shutil.copyfileobj(raw, packed)
-        trace.unlink()
+            yield
+        else:
+            out = Path(self.run_dir) / "profiles"
+            out.mkdir(exist_ok=True)
+            with profiled(str(out / f"train{self.rank}-step{step}")):
+                yield
 
     def warmstart_step(
         self, batch: PackedBatch, step: int, trace: dict[str, str]
