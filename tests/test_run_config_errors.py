@@ -30,6 +30,10 @@ from .conftest import run_miles, write_config
         ),
         (["train.lr_schedul=cosine"], "train.lr_schedul: unknown key; did you mean 'lr_schedule'?"),
         (["steps=many"], "steps: expected an integer, got 'many'"),
+        (
+            ["steps=3", "telemetry.profile_steps=[1, 3]"],
+            "telemetry.profile_steps: [3] are not steps of this run (0 to 2)",
+        ),
         (["rollout.samples_per_prompt=0"], "rollout.samples_per_prompt must be at least 1"),
         (
             ["algorithm.loss=ppo_clipp"],

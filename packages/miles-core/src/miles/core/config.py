@@ -311,8 +311,7 @@ class TelemetryConfig:
     progress: bool = True
     sinks: list[ComponentRef] = field(default_factory=lambda: [ComponentRef("jsonl")])
     # Steps whose train call (old logprobs, batch preparation, train step) each train rank runs
-    # under torch.profiler: run_dir/profiles/train<rank>-step<N>.txt (the top operators) and
-    # .json.gz (a Chrome/Perfetto trace).
+    # under its backend's profiler (`TrainBackend.profiled`), into run_dir/profiles/.
     profile_steps: list[int] = field(default_factory=list)
 
 

@@ -209,8 +209,10 @@ class Checksum:
             return
         self._headers[name] = _header(name, tensor)
         raw = _raw_bytes(tensor)
-        words = raw.view(torch.int32) if raw.numel() % 4 == 0 and _aligned(raw) else None
-        if words is not None and checksum_kernel.groupable(words):
+        # A word view needs whole, aligned words: a bf16 tensor at an odd place in a bucket
+        # takes the per-tensor path.
+        words = raw.view(torch.int32) if raw.numel() % 4 == 0 and raw.data_ptr() % 4 == 0 else None
+        if words is not None and checksum_kernel.available(words):
             if self._pending and self._pending[0].device != words.device:
                 self._flush()
             self._pending.append(words)
@@ -240,10 +242,6 @@ class Checksum:
         for name in sorted(digests):
             total.update(digests[name])
         return total.hexdigest()
-
-
-def _aligned(raw: torch.Tensor) -> bool:
-    return raw.data_ptr() % 4 == 0
 
 
 def tensors_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:

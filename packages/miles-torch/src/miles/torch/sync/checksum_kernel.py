@@ -12,6 +12,8 @@ of host work on an H200, against microseconds of reading).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 try:
@@ -40,20 +42,16 @@ def chunk_sums(words: torch.Tensor, chunk_words: int) -> torch.Tensor:
     return partial.view(-1, per_chunk, 2).sum(dim=1)
 
 
-def groupable(words: torch.Tensor) -> bool:
-    """Whether `grouped_lanes` can take this int32 view: on a GPU, aligned to its words."""
-    return available(words) and words.data_ptr() % 4 == 0
-
-
 def grouped_lanes(words: list[torch.Tensor], chunk_words: int) -> torch.Tensor:
     """[len(words), 2] int64 on their device: each tensor's two lanes summed over all its chunks
     (mod 2**64, in int64 wrap-around), equal to summing `chunk_sums`' rows. All of `words` are
-    contiguous int32 views on one device, each `groupable`."""
+    contiguous int32 views on one device where `available`."""
     device = words[0].device
     blocks = [-(-w.numel() // BLOCK) for w in words]
     # Per tensor: its address, its words, its first block; per block: its tensor.
+    starts = itertools.accumulate(blocks, initial=0)
     table = torch.tensor(
-        [[w.data_ptr(), w.numel(), first] for w, first in zip(words, _starts(blocks), strict=True)],
+        [[w.data_ptr(), w.numel(), first] for w, first in zip(words, starts, strict=False)],
         dtype=torch.int64,
     ).to(device, non_blocking=True)
     owner = torch.repeat_interleave(
@@ -66,14 +64,6 @@ def grouped_lanes(words: list[torch.Tensor], chunk_words: int) -> torch.Tensor:
         _grouped_kernel[(sum(blocks),)](table, owner, partial, CHUNK=chunk_words, BLOCK=BLOCK)
     lanes = torch.zeros((len(words), 2), dtype=torch.int64, device=device)
     return lanes.index_add_(0, owner, partial)
-
-
-def _starts(blocks: list[int]) -> list[int]:
-    starts, total = [], 0
-    for count in blocks:
-        starts.append(total)
-        total += count
-    return starts
 
 
 if triton is not None:

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import gzip
 import json
 import math
-import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +36,6 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.profiler import ProfilerActivity, profile
 
 from miles.core.backends import BucketDelivery, LogprobResult, TrainSetup
 from miles.core.config import ReplayMode
@@ -50,7 +47,7 @@ from miles.torch.models import load_causal_lm
 from miles.torch.routing import RoutingReplay, router_adapter
 from miles.torch.sync.sender import WeightSender, WeightView
 from miles.torch.train import checkpoint as ckpt
-from miles.torch.train import packed_attention
+from miles.torch.train import packed_attention, profiling
 from miles.torch.train.checks import family_of_checkpoint, packs_sequences
 from miles.torch.train.config import FSDPConfig, schedule_problem
 from miles.torch.train.distributed import init_process_group, resolve_device
@@ -490,25 +487,8 @@ class FSDPTrainer:
     def send_weights(self, plan: SyncPlan) -> int:
         return self.weights.send(plan)
 
-    @contextmanager
-    def profiled(self, path: str) -> Iterator[None]:
-        """torch.profiler over what runs inside: `path`.txt (the top operators by host and by
-        device time) and `path`.json.gz (a Chrome trace, for Perfetto or chrome://tracing)."""
-        cuda = self.device.type == "cuda"
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities) as prof:
-            yield
-            if cuda:
-                torch.cuda.synchronize(self.device)
-        averages = prof.key_averages()
-        keys = ("self_cpu_time_total", "self_device_time_total" if cuda else "cpu_time_total")
-        tables = [f"sorted by {k}:\n" + averages.table(sort_by=k, row_limit=40) for k in keys]
-        Path(f"{path}.txt").write_text("\n\n".join(tables))
-        trace = Path(f"{path}.json")
-        prof.export_chrome_trace(str(trace))
-        with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-            shutil.copyfileobj(raw, packed)
-        trace.unlink()
+    def profiled(self, path: str) -> AbstractContextManager[None]:
+        return profiling.profiled(path, self.device)
 
     def send_weights_in_place(self, plan: SyncPlan, deliver: BucketDelivery | None) -> int:
         return self.weights.send_in_place(plan, deliver)
