@@ -85,17 +85,23 @@ def test_components_list_filters_by_kind(plant: PlantFn) -> None:
 )
 def test_help_is_fast_and_imports_no_heavy_modules(args: list[str]) -> None:
     # CPU time, not wall time: the suite runs tests side by side, so a busy machine would stretch
-    # the wall time of a start-up that does no more work.
+    # the wall time of a start-up that does no more work. CPU time still grows a little when the
+    # other core thrashes the shared caches, so the best of two runs is what is bounded.
     code = (
         "import sys, time; t=time.process_time(); from miles.core.cli import main\n"
         f"sys.argv=['miles', *{args!r}]\n"
         "try: main()\nexcept SystemExit: pass\n"
-        "heavy=[m for m in ('torch','ray','transformers','opentelemetry.sdk') if m in sys.modules]\n"
+        "heavy=[m for m in ('torch','ray','transformers','opentelemetry.sdk','httpx2') if m in sys.modules]\n"
         "print('HEAVY', heavy, time.process_time()-t)"
     )
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    assert "HEAVY []" in out.stdout, out.stdout
+    runs = []
+    for _ in range(2):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        )
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        runs.append((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime))
+        assert "HEAVY []" in out.stdout, out.stdout
+    cpu = min(runs)
     assert cpu < 1.5, f"`miles {' '.join(args)}` took {cpu:.2f}s of CPU"

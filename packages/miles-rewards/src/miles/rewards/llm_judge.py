@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, ClassVar
-
-import httpx2 as httpx
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from miles.core.types import Sample
 from miles.rewards.configs import LLMJudgeConfig
@@ -25,9 +23,13 @@ from miles.rewards.remote_rm import (
     RetryPolicy,
     bearer_headers,
     check_template,
+    new_client,
     post_json,
     row_field,
 )
+
+if TYPE_CHECKING:
+    import httpx2 as httpx
 
 _LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -71,7 +73,7 @@ class LLMJudge:
 
     async def score_group(self, responses: list[str], samples: list[Sample]) -> list[float]:
         limit = asyncio.Semaphore(self.config.max_concurrency)
-        async with httpx.AsyncClient(headers=self._headers) as client:
+        async with new_client(self._headers) as client:
 
             async def one(response: str, sample: Sample) -> float:
                 async with limit:

@@ -20,12 +20,13 @@ import os
 import random
 import string
 from dataclasses import dataclass
-from typing import Any, ClassVar
-
-import httpx2 as httpx
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from miles.core.types import Sample
 from miles.rewards.configs import RemoteRMConfig
+
+if TYPE_CHECKING:
+    import httpx2 as httpx
 
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
@@ -62,6 +63,13 @@ def bearer_headers(api_key_env: str | None, who: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def new_client(headers: dict[str, str]) -> httpx.AsyncClient:
+    """An HTTP client; httpx is imported here so `miles --help` does not pay for it."""
+    import httpx2
+
+    return httpx2.AsyncClient(headers=headers)
+
+
 async def post_json(
     client: httpx.AsyncClient,
     url: str,
@@ -71,6 +79,8 @@ async def post_json(
     headers: dict[str, str] | None = None,
 ) -> Any:
     """POSTs `payload` and returns the decoded JSON reply, retrying what a retry can fix."""
+    import httpx2 as httpx
+
     attempts = policy.max_retries + 1
     last = ""
     for attempt in range(attempts):
@@ -156,7 +166,7 @@ class RemoteRM:
         size = cfg.batch_size or len(queries)
         chunks = [slice(i, i + size) for i in range(0, len(queries), size)]
         # A client per call: the scorer may call from different event loops over a run.
-        async with httpx.AsyncClient(headers=self._headers) as client:
+        async with new_client(self._headers) as client:
             replies = await asyncio.gather(
                 *(
                     post_json(
