@@ -8,7 +8,9 @@ A family (component kind `family`, found by the checkpoint's `model_type`) cover
 - **shape**: exact parameter counts, KV-cache and activation sizes, for the memory planner;
 - **parallelism hints**: which dimensions tensor and expert parallelism must divide;
 - **what is not supported** for a given config, said at load time (`notices`);
-- **a tiny twin**: the same architecture with tiny dimensions, for tests and laptops.
+- **a tiny twin**: the same architecture with tiny dimensions, for tests and laptops;
+- **its Megatron-core mapping** (`megatron`): the GPTModel it becomes and which Hugging Face
+  weights make each Megatron parameter, as data; miles-megatron does the tensor work.
 
 Everything here works on a checkpoint's `config.json` as a plain dict, so it is torch-free:
 `miles recipes plan` sizes a trillion-parameter model without building it. Finding the family of
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 Config = Mapping[str, Any]  # a config.json, as loaded by json.load
 
@@ -118,6 +120,39 @@ def _no_notices(config: Config) -> list[Notice]:
 
 
 @dataclass(frozen=True)
+class MegatronWeight:
+    """One Megatron-core parameter, by its local-spec name, and the Hugging Face weights it is
+    made of. Names may hold `{layer}` (global decoder layer) and `{expert}` (global expert)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    # How the parts become one tensor: as is, Megatron's fused QKV (per query group: its query
+    # heads, then its key, then its value), or gate and up stacked for the fused SwiGLU.
+    join: Literal["copy", "qkv", "gate_up"] = "copy"
+    # How tensor parallelism cuts it: output rows ("column"), input columns ("row"), vocabulary
+    # rows padded to Megatron's padded vocabulary ("vocab"), or not at all (None).
+    split: Literal["column", "row", "vocab"] | None = None
+    layers: tuple[int, ...] = ()  # the global layers it exists in, when the name has {layer}
+
+
+@dataclass(frozen=True)
+class MegatronMapping:
+    """A family's Megatron-core GPTModel, as plain data: built and filled by miles-megatron."""
+
+    weights: tuple[MegatronWeight, ...]
+    # TransformerConfig fields with plain values (`activation` names the MLP's activation
+    # function, e.g. "silu"); the backend adds dtypes, parallel sizes and fusions.
+    transformer: Mapping[str, Any]
+    # GPTModel arguments: vocab_size, max_sequence_length, rotary_base,
+    # share_embeddings_and_output_weights, position_embedding_type.
+    model: Mapping[str, Any]
+    num_experts: int = 0  # routed experts per MoE layer, for names with {expert}
+    # What the config asks for that this GPTModel cannot express: the backend refuses the model
+    # with these, before launch.
+    unsupported: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """A model family component (`model.family`, or found by the checkpoint's model_type)."""
 
@@ -150,6 +185,8 @@ class ModelFamily:
     # hub id work without downloading it).
     checkpoints: tuple[str, ...] = field(default=())
     config_for: Callable[[str], dict[str, Any] | None] | None = None
+    # The Megatron-core model of a config.json; None: the megatron backend cannot train it.
+    megatron: Callable[[Config], MegatronMapping] | None = None
 
 
 def text_config(config: Config) -> Config:

@@ -19,7 +19,10 @@ CONFIGS = Path(str(resources.files("miles.recipes") / "configs"))
 # The packages that provide the production backends the frontier recipes name, for the error a
 # user sees when they are not installed.
 PROVIDERS = {
-    "megatron": "the miles-megatron package (Megatron-core training; not in this release yet)",
+    "megatron": (
+        "miles-megatron (its train backend is not in this release yet; what it holds today: "
+        "docs/megatron.md)"
+    ),
     "sglang": "the miles-sglang package (SGLang rollout; not in this release yet)",
 }
 

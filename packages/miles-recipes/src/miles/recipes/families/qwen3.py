@@ -7,7 +7,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from miles.core.family import Config, ModelFamily, ModelShape, Notice, ParallelHints, ParamCounts
+from miles.core.family import (
+    Config,
+    MegatronMapping,
+    ModelFamily,
+    ModelShape,
+    Notice,
+    ParallelHints,
+    ParamCounts,
+)
+from miles.recipes.families.megatron_maps import (
+    attention_weights,
+    outer_weights,
+    routed_experts_weights,
+    swiglu_weights,
+)
 from miles.recipes.families.routers import SoftmaxTopKRouter
 from miles.recipes.families.sizing import (
     embeddings,
@@ -244,6 +258,100 @@ def qwen3_moe_notices(config: Config) -> list[Notice]:
     return quantization_notices(config) + aux_loss_notices(config)
 
 
+def rope_theta(c: Mapping[str, Any], default: float) -> tuple[float, list[str]]:
+    """The RoPE base from a config.json of either transformers generation, and what Megatron's
+    plain RoPE cannot express (scaled RoPE types)."""
+    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta") or c.get("rope_theta") or default)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    return theta, [] if kind == "default" else [f"RoPE type {kind!r} (rope_parameters)"]
+
+
+def _gqa_transformer(c: Mapping[str, Any]) -> dict[str, Any]:
+    """TransformerConfig fields of Qwen3's decoder layer, whatever its MLP."""
+    heads = int(c["num_attention_heads"])
+    return {
+        "num_layers": int(c["num_hidden_layers"]),
+        "hidden_size": int(c["hidden_size"]),
+        "num_attention_heads": heads,
+        "num_query_groups": int(c["num_key_value_heads"] or heads),
+        "kv_channels": int(c["head_dim"] or int(c["hidden_size"]) // heads),
+        "ffn_hidden_size": int(c["intermediate_size"]),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": float(c.get("rms_norm_eps", 1e-6)),
+        "gated_linear_unit": True,
+        "activation": "silu",
+        "add_bias_linear": False,
+        "qk_layernorm": True,
+    }
+
+
+def _gpt_model(c: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    theta, unsupported = rope_theta(c, 10_000.0)  # transformers 5 default
+    if c["use_sliding_window"]:
+        unsupported.append("sliding-window attention (use_sliding_window)")
+    if c["attention_bias"]:
+        # Qwen3 puts a bias on o_proj too; Megatron has biases on every linear or on QKV only.
+        unsupported.append("attention biases (attention_bias)")
+    model = {
+        "vocab_size": int(c["vocab_size"]),
+        "max_sequence_length": int(c.get("max_position_embeddings", 40960)),
+        "rotary_base": theta,
+        "share_embeddings_and_output_weights": bool(c["tie_word_embeddings"]),
+        "position_embedding_type": "rope",
+    }
+    return model, unsupported
+
+
+def qwen3_megatron(config: Config) -> MegatronMapping:
+    c = with_defaults(config, QWEN3_DEFAULTS)
+    layers = range(int(c["num_hidden_layers"]))
+    model, unsupported = _gpt_model(c)
+    weights = (
+        outer_weights(tied=bool(c["tie_word_embeddings"]))
+        + attention_weights(layers, qk_norm=True)
+        + swiglu_weights(layers)
+    )
+    return MegatronMapping(
+        tuple(weights), _gqa_transformer(c), model, unsupported=tuple(unsupported)
+    )
+
+
+def qwen3_moe_megatron(config: Config) -> MegatronMapping:
+    c = with_defaults(config, QWEN3_MOE_DEFAULTS)
+    n = int(c["num_hidden_layers"])
+    moe = [i for i in range(n) if _is_moe_layer(c, i)]
+    dense = [i for i in range(n) if i not in moe]
+    model, unsupported = _gpt_model(c)
+    transformer = {
+        **_gqa_transformer(c),
+        "num_moe_experts": int(c["num_experts"]),
+        "moe_router_topk": int(c["num_experts_per_tok"]),
+        "moe_ffn_hidden_size": int(c["moe_intermediate_size"]),
+        "moe_layer_freq": [int(i in moe) for i in range(n)],
+        # Softmax over every expert then top-k; renormalising the top-k (norm_topk_prob) is the
+        # same as a softmax over the top-k logits, which is Megatron's order without pre-softmax.
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not bool(c["norm_topk_prob"]),
+        # RL trains the routers through the policy loss only (see aux_loss_notices).
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+    }
+    weights = (
+        outer_weights(tied=bool(c["tie_word_embeddings"]))
+        + attention_weights(range(n), qk_norm=True)
+        + swiglu_weights(dense)
+        + routed_experts_weights(moe)
+    )
+    return MegatronMapping(
+        tuple(weights),
+        transformer,
+        model,
+        num_experts=int(c["num_experts"]),
+        unsupported=tuple(unsupported),
+    )
+
+
 def qwen3_tiny() -> dict[str, Any]:
     # The quickstart recipe relies on these exact values.
     return {
@@ -286,6 +394,7 @@ def qwen3() -> ModelFamily:
         rms_norms=("Qwen3RMSNorm",),
         summary="Qwen3 dense: GQA with q/k RMSNorm, SwiGLU MLP",
         checkpoints=("Qwen/Qwen3-0.6B",),
+        megatron=qwen3_megatron,
     )
 
 
@@ -302,4 +411,5 @@ def qwen3_moe() -> ModelFamily:
         rms_norms=("Qwen3MoeRMSNorm",),
         summary="Qwen3-MoE: GQA with q/k RMSNorm, softmax top-k routed experts",
         checkpoints=("Qwen/Qwen3-30B-A3B",),
+        megatron=qwen3_moe_megatron,
     )

@@ -1,0 +1,89 @@
+"""A Megatron-core GPTModel built from a family's mapping, on the local (torch-only) layer spec.
+
+Megatron's parallel state must be initialised first (`parallel_state.initialize_model_parallel`);
+the model is this rank's part of it. TransformerEngine's fusions stay off: they need TE or apex,
+which the local spec does without.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from miles.core.family import MegatronMapping
+from miles.megatron.layout import ParallelLayout
+
+# Fused kernels that need TransformerEngine or apex; off on the local spec.
+_NO_TE = {
+    "bias_activation_fusion": False,
+    "masked_softmax_fusion": False,
+    "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "persist_layer_norm": False,
+    "moe_grouped_gemm": False,
+}
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint asks for something this GPTModel cannot express."""
+
+
+def transformer_config(
+    mapping: MegatronMapping,
+    layout: ParallelLayout,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    token_dispatcher: str = "alltoall",
+    **overrides: Any,
+) -> TransformerConfig:
+    """The TransformerConfig of the mapping's model at this layout."""
+    if mapping.unsupported:
+        raise UnsupportedModel(
+            "the megatron backend cannot build this model: "
+            + "; ".join(mapping.unsupported)
+            + " (train it with train.backend: fsdp)"
+        )
+    fields = dict(mapping.transformer)
+    activation = fields.pop("activation", "gelu")
+    moe = {"moe_token_dispatcher_type": token_dispatcher} if fields.get("num_moe_experts") else {}
+    return TransformerConfig(
+        **fields,
+        **moe,
+        **_NO_TE,
+        activation_func=getattr(F, activation),
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        **overrides,
+    )
+
+
+def build_gpt_model(
+    mapping: MegatronMapping, layout: ParallelLayout, config: TransformerConfig
+) -> GPTModel:
+    """This rank's GPTModel (its pipeline stage, its tensor and expert shards)."""
+    from megatron.core import parallel_state
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    model = mapping.model
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=layout.padded_vocab(int(model["vocab_size"])),
+        max_sequence_length=int(model["max_sequence_length"]),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=bool(model["share_embeddings_and_output_weights"]),
+        position_embedding_type=str(model["position_embedding_type"]),
+        rotary_base=int(model["rotary_base"]),
+    )

@@ -1,0 +1,123 @@
+"""Runs Megatron-core's GPTModel, built and filled by miles.megatron, on CPU ranks (gloo) and
+compares its logits with transformers' forward of the same weights.
+
+    python megatron_cpu_forward.py FAMILY TP EP PP [key=value config overrides...]
+
+prints one JSON line per rank: names/shapes agreement and, without pipeline stages (PP 1), the
+max abs logit difference.
+megatron-core is written for CUDA; three shims, for this check only, let its forward run on CPU:
+rotary embeddings move their frequencies to `torch.cuda.current_device()` (made "cpu"), attention
+dropout forks the CUDA RNG tracker (made a no-op: dropout is 0), and megatron-core 0.16's router
+names TransformerEngine's GEMM without defining it when TE is absent (0.19 sets it to None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SEQ = 12
+
+
+def _shim_cpu() -> None:
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+
+    mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _config(family: str, overrides: list[str]) -> dict:
+    from miles.recipes.families.qwen3 import qwen3_moe_tiny, qwen3_tiny
+
+    config = qwen3_moe_tiny() if family == "qwen3_moe" else qwen3_tiny()
+    config["vocab_size"] = 300  # not a multiple of 128: the padded vocabulary is exercised
+    for item in overrides:
+        key, value = item.split("=", 1)
+        config[key] = json.loads(value)
+    return config
+
+
+def _run(
+    rank: int, world: int, family: str, tp: int, ep: int, pp: int, overrides: list[str], port: int
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
+    _shim_cpu()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.core.families import family_named
+    from miles.megatron.convert import shard
+    from miles.megatron.layout import ParallelLayout, Rank
+    from miles.megatron.model import build_gpt_model, transformer_config
+
+    config = _config(family, overrides)
+    mapping = family_named(family).megatron(config)  # type: ignore[misc]
+    hf_config = {k: v for k, v in config.items() if k != "model_type"}
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(config["model_type"], **hf_config), dtype=torch.float32
+    ).eval()
+    layout = ParallelLayout(tp=tp, pp=pp, ep=ep)
+    here = Rank(
+        pp=parallel_state.get_pipeline_model_parallel_rank(),
+        tp=parallel_state.get_tensor_model_parallel_rank(),
+        ep=parallel_state.get_expert_model_parallel_rank(),
+        etp=parallel_state.get_expert_tensor_parallel_rank(),
+    )
+    tconfig = transformer_config(mapping, layout, torch.float32, token_dispatcher="allgather")
+    model = build_gpt_model(mapping, layout, tconfig).eval()
+    ours = shard(hf.state_dict(), mapping, layout, here)
+    theirs = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    result = {
+        "names_equal": set(ours) == set(theirs),
+        "name_diff": sorted(set(ours) ^ set(theirs)),
+        "shapes_equal": all(ours[k].shape == theirs[k].shape for k in set(ours) & set(theirs)),
+    }
+    model.load_state_dict(ours, strict=False)
+    if pp > 1:  # a forward needs Megatron's pipeline schedule; names and shapes are the check
+        print(json.dumps(result), flush=True)
+        dist.destroy_process_group()
+        return
+    ids = torch.randint(
+        0, int(config["vocab_size"]), (2, SEQ), generator=torch.Generator().manual_seed(1)
+    )
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ), diagonal=1).bool()
+    with torch.no_grad():
+        ref = hf(ids).logits
+        logits = model(ids, torch.arange(SEQ).expand(2, SEQ), attention_mask=mask)
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(
+            parts, logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+        )
+    full = torch.cat(parts, dim=-1)[..., : ref.shape[-1]]
+    result["max_abs_diff"] = (full - ref).abs().max().item()
+    result["ref_scale"] = ref.abs().max().item()
+    print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    family, tp, ep, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    world = tp * ep * pp
+    port = int(os.environ.get("MILES_TEST_PORT", "29561"))
+    mp.spawn(_run, args=(world, family, tp, ep, pp, sys.argv[5:], port), nprocs=world)
+
+
+if __name__ == "__main__":
+    main()
