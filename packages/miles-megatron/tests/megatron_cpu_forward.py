@@ -20,7 +20,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from cpu_ranks import report, spawn_and_print
 
 SEQ = 12
 
@@ -91,7 +91,7 @@ def _run(
     }
     model.load_state_dict(ours, strict=False)
     if pp > 1:  # a forward needs Megatron's pipeline schedule; names and shapes are the check
-        print(json.dumps(result), flush=True)
+        report(rank, result)
         dist.destroy_process_group()
         return
     ids = torch.randint(
@@ -108,7 +108,7 @@ def _run(
     full = torch.cat(parts, dim=-1)[..., : ref.shape[-1]]
     result["max_abs_diff"] = (full - ref).abs().max().item()
     result["ref_scale"] = ref.abs().max().item()
-    print(json.dumps(result), flush=True)
+    report(rank, result)
     dist.destroy_process_group()
 
 
@@ -116,7 +116,7 @@ def main() -> None:
     family, tp, ep, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     world = tp * ep * pp
     port = int(os.environ.get("MILES_TEST_PORT", "29561"))
-    mp.spawn(_run, args=(world, family, tp, ep, pp, sys.argv[5:], port), nprocs=world)
+    spawn_and_print(_run, args=(world, family, tp, ep, pp, sys.argv[5:], port), nprocs=world)
 
 
 if __name__ == "__main__":
