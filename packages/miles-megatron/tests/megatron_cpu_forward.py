@@ -5,10 +5,13 @@ compares its logits with transformers' forward of the same weights.
 
 prints one JSON line per rank: names/shapes agreement and, without pipeline stages (PP 1), the
 max abs logit difference.
+Logits are compared unpacked (two rows) and packed (three sequences in one THD row, through
+miles.megatron's core attention) with transformers' forward of each sequence.
 megatron-core is written for CUDA; three shims, for this check only, let its forward run on CPU:
-rotary embeddings move their frequencies to `torch.cuda.current_device()` (made "cpu"), attention
-dropout forks the CUDA RNG tracker (made a no-op: dropout is 0), and megatron-core 0.16's router
-names TransformerEngine's GEMM without defining it when TE is absent (0.19 sets it to None).
+rotary embeddings move their frequencies to `torch.cuda.current_device()` (made "cpu"), the
+CUDA RNG tracker is forked around dropout (made a no-op: dropout is 0), and megatron-core 0.16's
+router names TransformerEngine's GEMM without defining it when TE is absent (0.19 sets it to
+None).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import contextlib
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from cpu_ranks import report, spawn_and_print
+from megatron.core.packed_seq_params import PackedSeqParams
 
 SEQ = 12
 
@@ -94,22 +99,40 @@ def _run(
         report(rank, result)
         dist.destroy_process_group()
         return
-    ids = torch.randint(
-        0, int(config["vocab_size"]), (2, SEQ), generator=torch.Generator().manual_seed(1)
-    )
-    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ), diagonal=1).bool()
+    vocab = int(config["vocab_size"])
+    ids = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    group = parallel_state.get_tensor_model_parallel_group()
     with torch.no_grad():
+        # Unpacked: two rows of causal sequences.
         ref = hf(ids).logits
-        logits = model(ids, torch.arange(SEQ).expand(2, SEQ), attention_mask=mask)
-        parts = [torch.empty_like(logits) for _ in range(tp)]
-        dist.all_gather(
-            parts, logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+        logits = _gather_vocab(model(ids, torch.arange(SEQ).expand(2, SEQ), None), tp, group)
+        result["max_abs_diff"] = (logits[..., :vocab] - ref).abs().max().item()
+        result["ref_scale"] = ref.abs().max().item()
+        # Packed (THD): sequences of 5, 12 and 7 tokens in one row, positions restarting.
+        seqs = [ids[0, :5], ids[1], ids[0, 5:]]
+        lengths = torch.tensor([len(x) for x in seqs])
+        cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+        packed = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=int(lengths.max()),
+            max_seqlen_kv=int(lengths.max()),
         )
-    full = torch.cat(parts, dim=-1)[..., : ref.shape[-1]]
-    result["max_abs_diff"] = (full - ref).abs().max().item()
-    result["ref_scale"] = ref.abs().max().item()
+        positions = torch.cat([torch.arange(len(x)) for x in seqs])[None]
+        out = model(torch.cat(seqs)[None], positions, None, packed_seq_params=packed)
+        got = _gather_vocab(out, tp, group)[0, :, :vocab]
+        want = torch.cat([hf(x[None]).logits[0] for x in seqs])
+        result["packed_max_abs_diff"] = (got - want).abs().max().item()
     report(rank, result)
     dist.destroy_process_group()
+
+
+def _gather_vocab(logits: torch.Tensor, tp: int, group: Any) -> torch.Tensor:
+    """The full vocabulary's logits from each tensor rank's shard."""
+    parts = [torch.empty_like(logits) for _ in range(tp)]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ def test_megatron_logits_equal_transformers(args: tuple[str, ...]) -> None:
         assert r["names_equal"], r["name_diff"]
         assert r["shapes_equal"]
         assert r["max_abs_diff"] < 1e-4 * max(1.0, r["ref_scale"]), r
+        assert r["packed_max_abs_diff"] < 1e-4 * max(1.0, r["ref_scale"]), r
 
 
 def test_pipeline_stages_hold_the_parameters_megatron_builds() -> None:

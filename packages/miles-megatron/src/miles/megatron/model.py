@@ -1,4 +1,5 @@
-"""A Megatron-core GPTModel built from a family's mapping, on the local (torch-only) layer spec.
+"""A Megatron-core GPTModel built from a family's mapping, on the local (torch-only) layer spec
+with Miles' core attention (packed sequences, FlashAttention on CUDA).
 
 Megatron's parallel state must be initialised first (`parallel_state.initialize_model_parallel`);
 the model is this rank's part of it. TransformerEngine's fusions stay off: they need TE or apex,
@@ -16,6 +17,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from miles.core.family import MegatronMapping
+from miles.megatron.attention import PackedCoreAttention
 from miles.megatron.layout import ParallelLayout
 
 # Fused kernels that need TransformerEngine or apex; off on the local spec.
@@ -60,6 +62,8 @@ def transformer_config(
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -75,6 +79,8 @@ def build_gpt_model(
     from megatron.core import parallel_state
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    for layer in spec.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     model = mapping.model
     return GPTModel(
         config=config,
