@@ -1,7 +1,12 @@
-"""Runs Megatron-core's GPTModel, built and filled by miles.megatron, on CPU ranks (gloo) and
-compares its logits with transformers' forward of the same weights.
+"""Runs Megatron-core's GPTModel, built and filled by miles.megatron, on CPU ranks (gloo) or
+GPUs (NCCL, `MILES_MEGATRON_DEVICE=cuda`) and compares its logits with transformers' forward of
+the same weights.
 
-    python megatron_cpu_forward.py FAMILY TP EP PP [key=value config overrides...]
+    python megatron_cpu_forward.py FAMILY[@HUB_ID] TP EP PP [key=value config overrides...]
+
+FAMILY alone is its tiny twin; FAMILY@HUB_ID is that checkpoint's stored config.json with random
+weights (e.g. qwen3@Qwen/Qwen3-0.6B). `MILES_MEGATRON_DTYPE` (default float32) sets both models'
+dtype.
 
 prints one JSON line per rank: names/shapes agreement and, without pipeline stages (PP 1), the
 max abs logit difference.
@@ -41,10 +46,18 @@ def _shim_cpu() -> None:
 
 
 def _config(family: str, overrides: list[str]) -> dict:
-    from miles.recipes.families.qwen3 import qwen3_moe_tiny, qwen3_tiny
+    from miles.core.families import family_named
 
-    config = qwen3_moe_tiny() if family == "qwen3_moe" else qwen3_tiny()
-    config["vocab_size"] = 300  # not a multiple of 128: the padded vocabulary is exercised
+    name, _, hub_id = family.partition("@")
+    found = family_named(name)
+    if hub_id:
+        assert found.config_for is not None
+        config = found.config_for(hub_id)
+        assert config is not None, f"no stored config.json for {hub_id}"
+    else:
+        assert found.tiny is not None
+        config = found.tiny()
+        config["vocab_size"] = 300  # not a multiple of 128: the padded vocabulary is exercised
     for item in overrides:
         key, value = item.split("=", 1)
         config[key] = json.loads(value)
@@ -55,7 +68,12 @@ def _run(
     rank: int, world: int, family: str, tp: int, ep: int, pp: int, overrides: list[str], port: int
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = os.environ.get("MILES_MEGATRON_DEVICE") == "cuda"
+    dtype = getattr(torch, os.environ.get("MILES_MEGATRON_DTYPE", "float32"))
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
@@ -63,7 +81,8 @@ def _run(
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
     )
-    _shim_cpu()
+    if not cuda:
+        _shim_cpu()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from miles.core.families import family_named
@@ -72,12 +91,16 @@ def _run(
     from miles.megatron.model import build_gpt_model, transformer_config
 
     config = _config(family, overrides)
-    mapping = family_named(family).megatron(config)  # type: ignore[misc]
+    mapping = family_named(family.partition("@")[0]).megatron(config)  # type: ignore[misc]
     hf_config = {k: v for k, v in config.items() if k != "model_type"}
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(config["model_type"], **hf_config), dtype=torch.float32
-    ).eval()
+    hf = (
+        AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(config["model_type"], **hf_config), dtype=dtype
+        )
+        .to(device)
+        .eval()
+    )
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep)
     here = Rank(
         pp=parallel_state.get_pipeline_model_parallel_rank(),
@@ -85,7 +108,8 @@ def _run(
         ep=parallel_state.get_expert_model_parallel_rank(),
         etp=parallel_state.get_expert_tensor_parallel_rank(),
     )
-    tconfig = transformer_config(mapping, layout, torch.float32, token_dispatcher="allgather")
+    dispatcher = "alltoall" if cuda else "allgather"  # alltoall makes CUDA streams at init
+    tconfig = transformer_config(mapping, layout, dtype, token_dispatcher=dispatcher)
     model = build_gpt_model(mapping, layout, tconfig).eval()
     ours = shard(hf.state_dict(), mapping, layout, here)
     theirs = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
@@ -100,18 +124,20 @@ def _run(
         dist.destroy_process_group()
         return
     vocab = int(config["vocab_size"])
-    ids = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1)).to(device)
     group = parallel_state.get_tensor_model_parallel_group()
     with torch.no_grad():
         # Unpacked: two rows of causal sequences.
         ref = hf(ids).logits
-        logits = _gather_vocab(model(ids, torch.arange(SEQ).expand(2, SEQ), None), tp, group)
-        result["max_abs_diff"] = (logits[..., :vocab] - ref).abs().max().item()
+        positions = torch.arange(SEQ, device=device).expand(2, SEQ)
+        logits = _gather_vocab(model(ids, positions, None), tp, group)
+        result["max_abs_diff"] = (logits[..., :vocab].float() - ref.float()).abs().max().item()
         result["ref_scale"] = ref.abs().max().item()
         # Packed (THD): sequences of 5, 12 and 7 tokens in one row, positions restarting.
         seqs = [ids[0, :5], ids[1], ids[0, 5:]]
         lengths = torch.tensor([len(x) for x in seqs])
         cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+        cu = cu.to(device)
         packed = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=cu,
@@ -119,11 +145,11 @@ def _run(
             max_seqlen_q=int(lengths.max()),
             max_seqlen_kv=int(lengths.max()),
         )
-        positions = torch.cat([torch.arange(len(x)) for x in seqs])[None]
+        positions = torch.cat([torch.arange(len(x), device=device) for x in seqs])[None]
         out = model(torch.cat(seqs)[None], positions, None, packed_seq_params=packed)
         got = _gather_vocab(out, tp, group)[0, :, :vocab]
         want = torch.cat([hf(x[None]).logits[0] for x in seqs])
-        result["packed_max_abs_diff"] = (got - want).abs().max().item()
+        result["packed_max_abs_diff"] = (got.float() - want.float()).abs().max().item()
     report(rank, result)
     dist.destroy_process_group()
 

@@ -50,3 +50,26 @@ def test_pipeline_stages_hold_the_parameters_megatron_builds() -> None:
     assert len(results) == 2
     for r in results:
         assert r["names_equal"] and r["shapes_equal"], r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("qwen3", "1", "1", "1"),
+        ("qwen3_moe", "1", "1", "1"),
+        ("qwen3@Qwen/Qwen3-0.6B", "1", "1", "1"),
+    ],
+)
+def test_megatron_logits_equal_transformers_in_bf16_on_a_gpu(
+    args: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On CUDA in bf16 the packed path is torch's variable-length FlashAttention.
+    monkeypatch.setenv("MILES_MEGATRON_DEVICE", "cuda")
+    monkeypatch.setenv("MILES_MEGATRON_DTYPE", "bfloat16")
+    (r,) = _run(*args)
+    print(r)
+    assert r["names_equal"] and r["shapes_equal"], r
+    # bf16 against bf16 through different kernels: a few bf16 ulps of the logits' scale.
+    for key in ("max_abs_diff", "packed_max_abs_diff"):
+        assert r[key] < 0.05 * max(1.0, r["ref_scale"]), r
