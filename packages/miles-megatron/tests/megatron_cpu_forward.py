@@ -43,6 +43,10 @@ def _shim_cpu() -> None:
     mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not isinstance(mla.TELinear, type):  # 0.16 without TE: a MagicMock that isinstance refuses
+        mla.TELinear = type("NoTransformerEngine", (), {})
 
 
 def _config(family: str, overrides: list[str]) -> dict:

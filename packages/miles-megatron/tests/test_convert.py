@@ -15,6 +15,7 @@ from miles.core.family import MegatronMapping
 from miles.megatron.convert import Index, TensorSource, gather, hf_names, shard
 from miles.megatron.layout import ParallelLayout, Rank
 from miles.megatron.sources import SafetensorsSource
+from miles.recipes.families import deepseek_v3
 from miles.recipes.families.qwen3 import (
     qwen3_megatron,
     qwen3_moe_megatron,
@@ -25,6 +26,8 @@ from miles.recipes.families.qwen3 import (
 CASES = {
     "qwen3": (qwen3_tiny, qwen3_megatron, {}),
     "qwen3_moe": (qwen3_moe_tiny, qwen3_moe_megatron, {"tie_word_embeddings": False}),
+    # Multi-latent attention, a dense layer then MoE layers with shared experts and expert bias.
+    "deepseek_v3": (deepseek_v3.tiny, deepseek_v3.megatron, {"num_hidden_layers": 4}),
     # A dense layer among MoE layers.
     "qwen3_moe_mixed": (
         qwen3_moe_tiny,
@@ -71,7 +74,7 @@ MOE_LAYOUTS = [
 @pytest.mark.parametrize(
     ("case", "layout"),
     [(c, lay) for c in sorted(CASES) for lay in LAYOUTS]
-    + [(c, lay) for c in ("qwen3_moe", "qwen3_moe_mixed") for lay in MOE_LAYOUTS],
+    + [(c, lay) for c in ("qwen3_moe", "qwen3_moe_mixed", "deepseek_v3") for lay in MOE_LAYOUTS],
 )
 def test_hf_to_shards_to_hf_is_exact(case: str, layout: ParallelLayout, spec: str) -> None:
     _, mapping, state = _model(case)
@@ -194,3 +197,11 @@ def test_a_rank_reads_only_its_slices_from_safetensors(tmp_path: Path) -> None:
 def test_a_missing_checkpoint_is_named(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no model\.safetensors"):
         SafetensorsSource(tmp_path)
+
+
+def test_what_megatron_cannot_express_in_deepseek_v3_is_listed() -> None:
+    base = {**deepseek_v3.tiny(), "vocab_size": 300}
+    assert deepseek_v3.megatron(base).unsupported == ()
+    odd = {**base, "norm_topk_prob": False, "rope_parameters": {"rope_type": "llama3"}}
+    listed = " ".join(deepseek_v3.megatron(odd).unsupported)
+    assert "norm_topk_prob" in listed and "llama3" in listed

@@ -32,6 +32,8 @@ def _run(*args: str) -> list[dict]:
         ("qwen3_moe", "1", "1", "1"),  # renormalised top-k
         # TP=2 x EP=2 on 4 ranks; softmax over all experts (no renormalisation); untied head.
         ("qwen3_moe", "2", "2", "1", "norm_topk_prob=false", "tie_word_embeddings=false"),
+        # Multi-latent attention with YaRN, sigmoid group-limited routing, shared experts.
+        ("deepseek_v3", "2", "2", "1"),
     ],
 )
 def test_megatron_logits_equal_transformers(args: tuple[str, ...]) -> None:

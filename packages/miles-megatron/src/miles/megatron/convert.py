@@ -166,6 +166,7 @@ def _read_cut(
 
 
 def _join(parts: list[torch.Tensor], join: str, head_dim: int) -> torch.Tensor:
+    """One parameter from its (cut) parts; `head_dim` matters to "qkv" only."""
     if join == "copy":
         (only,) = parts
         return only
@@ -192,8 +193,11 @@ def _unjoin(t: torch.Tensor, join: str, head_dim: int, query_per_group: int) -> 
 
 
 def _heads(mapping: MegatronMapping) -> tuple[int, int]:
-    """(head_dim, query heads per query group)."""
+    """(head_dim, query heads per query group) of a grouped-query attention's fused QKV; (0, 0)
+    for models without one (multi-latent attention)."""
     t = mapping.transformer
+    if not any(w.join == "qkv" for w in mapping.weights):
+        return 0, 0
     heads = int(t["num_attention_heads"])
     groups = int(t.get("num_query_groups") or heads)
     return int(t["kv_channels"]), heads // groups

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from miles.core.family import MegatronMapping
 from miles.megatron.attention import PackedCoreAttention
 from miles.megatron.layout import ParallelLayout
@@ -53,7 +54,8 @@ def transformer_config(
     fields = dict(mapping.transformer)
     activation = fields.pop("activation", "gelu")
     moe = {"moe_token_dispatcher_type": token_dispatcher} if fields.get("num_moe_experts") else {}
-    return TransformerConfig(
+    kind = MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig
+    return kind(
         **fields,
         **moe,
         **_NO_TE,
@@ -80,7 +82,13 @@ def build_gpt_model(
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     for layer in spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+        attention = layer.submodules.self_attention.submodules
+        attention.core_attention = PackedCoreAttention
+        # MLA's down projections: column-parallel, gathered after (megatron-core 0.19's local
+        # spec; 0.16's names a TransformerEngine-only class there).
+        for name in ("linear_q_down_proj", "linear_kv_down_proj"):
+            if hasattr(attention, name):
+                setattr(attention, name, ColumnParallelLinear)
     model = mapping.model
     return GPTModel(
         config=config,

@@ -19,12 +19,21 @@ from typing import Any
 
 from miles.core.family import (
     Config,
+    MegatronMapping,
     ModelFamily,
     ModelShape,
     Notice,
     ParallelHints,
     ParamCounts,
     quantization_config,
+    text_config,
+)
+from miles.recipes.families.megatron_maps import (
+    mla_weights,
+    outer_weights,
+    routed_experts_weights,
+    shared_experts_weights,
+    swiglu_weights,
 )
 from miles.recipes.families.sizing import linear, moe_act, swiglu, swiglu_act
 
@@ -334,6 +343,93 @@ def load(path: str, **kwargs: Any) -> Any:
     return load_text_model(path, config, None, **kwargs)
 
 
+def _yarn(text: Config) -> tuple[dict[str, Any], list[str]]:
+    """MLATransformerConfig's RoPE fields, and a RoPE type it cannot express."""
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    theta = float(rope.get("rope_theta") or text.get("rope_theta") or 10000.0)
+    if kind == "default":
+        return {"rope_type": "rope", "rotary_base": theta}, []
+    if kind != "yarn":
+        return {"rope_type": "rope", "rotary_base": theta}, [f"RoPE type {kind!r}"]
+    return {
+        "rope_type": "yarn",
+        "rotary_base": theta,
+        "rotary_scaling_factor": float(rope["factor"]),
+        "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        "beta_fast": float(rope.get("beta_fast", 32.0)),
+        "beta_slow": float(rope.get("beta_slow", 1.0)),
+        "mscale": float(rope.get("mscale", 1.0)),
+        "mscale_all_dim": float(rope.get("mscale_all_dim", 0.0)),
+    }, []
+
+
+def megatron(config: Config) -> MegatronMapping:
+    """MLA, dense then MoE layers (sigmoid group-limited router with expert bias, routed and
+    shared experts) as Megatron-core's MLATransformerConfig describes them."""
+    text = text_config(config)
+    c = _dims(text)
+    n, dense = int(c["num_hidden_layers"]), int(c["first_k_dense_replace"])
+    heads = int(c["num_attention_heads"])
+    rope, unsupported = _yarn(text)
+    if c["attention_bias"]:
+        unsupported.append("attention biases (attention_bias)")
+    if not text.get("norm_topk_prob", True):
+        unsupported.append("top-k weights without renormalisation (norm_topk_prob: false)")
+    experts, moe_inter = int(c["n_routed_experts"]), int(c["moe_intermediate_size"])
+    transformer = {
+        "multi_latent_attention": True,
+        "num_layers": n,
+        "hidden_size": int(c["hidden_size"]),
+        "num_attention_heads": heads,
+        "ffn_hidden_size": int(c["intermediate_size"]),
+        "q_lora_rank": c["q_lora_rank"],
+        "kv_lora_rank": int(c["kv_lora_rank"]),
+        "qk_head_dim": int(c["qk_nope_head_dim"]),
+        "qk_pos_emb_head_dim": int(c["qk_rope_head_dim"]),
+        "v_head_dim": int(c["v_head_dim"]),
+        "kv_channels": int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"]),
+        **rope,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": float(text.get("rms_norm_eps", 1e-6)),
+        "qk_layernorm": True,  # the low-rank query's and the latent's norms
+        "gated_linear_unit": True,
+        "activation": "silu",
+        "add_bias_linear": False,
+        "num_moe_experts": experts,
+        "moe_router_topk": int(c["num_experts_per_tok"]),
+        "moe_ffn_hidden_size": moe_inter,
+        "moe_shared_expert_intermediate_size": int(c["n_shared_experts"]) * moe_inter,
+        "moe_layer_freq": [int(i >= dense) for i in range(n)],
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_num_groups": int(text.get("n_group", 8)),
+        "moe_router_group_topk": int(text.get("topk_group", 4)),
+        "moe_router_topk_scaling_factor": float(text.get("routed_scaling_factor", 2.5)),
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+    }
+    model = {
+        "vocab_size": int(c["vocab_size"]),
+        "max_sequence_length": int(text.get("max_position_embeddings", 4096)),
+        "rotary_base": rope["rotary_base"],
+        "share_embeddings_and_output_weights": bool(c["tie_word_embeddings"]),
+        # MLA applies its own rotary embedding; GPTModel adds none for it.
+        "position_embedding_type": "rope",
+    }
+    moe = range(dense, n)
+    weights = (
+        outer_weights(tied=bool(c["tie_word_embeddings"]))
+        + mla_weights(range(n), q_lora=c["q_lora_rank"] is not None)
+        + swiglu_weights(range(dense))
+        + routed_experts_weights(moe)
+        + shared_experts_weights(moe)
+    )
+    return MegatronMapping(
+        tuple(weights), transformer, model, num_experts=experts, unsupported=tuple(unsupported)
+    )
+
+
 def tiny() -> dict[str, Any]:
     """Three layers (one dense, two MoE) with every feature of DeepSeek-V3: low-rank query, MLA,
     group-limited routing (2 groups, 1 picked), a shared expert, YaRN rope."""
@@ -395,4 +491,5 @@ def deepseek_v3() -> ModelFamily:
         summary="DeepSeek-V3 / Kimi K2: MLA attention, dense then MoE layers with a sigmoid "
         "group-limited top-k router and shared experts",
         checkpoints=("deepseek-ai/DeepSeek-V3",),
+        megatron=megatron,
     )

@@ -5,6 +5,7 @@ of Megatron-core's GPTModel under its local layer spec."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 from miles.core.family import MegatronWeight
 
@@ -111,3 +112,64 @@ def outer_weights(*, tied: bool) -> list[MegatronWeight]:
     if not tied:
         out.append(MegatronWeight("output_layer.weight", ("lm_head.weight",), split="vocab"))
     return out
+
+
+def mla_weights(layers: Sequence[int], *, q_lora: bool) -> list[MegatronWeight]:
+    """Multi-latent attention (DeepSeek-V3 style): low-rank query (or a plain one) and a
+    compressed KV with its rotary part, each low-rank side normalised. Every projection is cut
+    by tensor parallelism: the down projections' outputs (the latents) are gathered before their
+    norms, as megatron-core's local spec does; the up projections are cut by heads."""
+    at = tuple(layers)
+
+    def w(ours: str, theirs: str, split: Literal["column", "row"] | None = None) -> MegatronWeight:
+        return MegatronWeight(_LAYER + ours, (_HF_LAYER + theirs,), split=split, layers=at)
+
+    out = [
+        w("input_layernorm.weight", "input_layernorm.weight"),
+        w(
+            "self_attention.linear_kv_down_proj.weight",
+            "self_attn.kv_a_proj_with_mqa.weight",
+            "column",
+        ),
+        w("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+        w("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight", "column"),
+        w("self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row"),
+    ]
+    if q_lora:
+        out += [
+            w("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight", "column"),
+            w("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+            w("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight", "column"),
+        ]
+    else:
+        out.append(w("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight", "column"))
+    return out
+
+
+def shared_experts_weights(layers: Sequence[int]) -> list[MegatronWeight]:
+    """Shared experts beside routed ones (one SwiGLU MLP of all shared experts' width), and the
+    router's expert bias (DeepSeek-V3's `e_score_correction_bias`)."""
+    at = tuple(layers)
+    return [
+        MegatronWeight(
+            _LAYER + "mlp.router.expert_bias",
+            (_HF_LAYER + "mlp.gate.e_score_correction_bias",),
+            layers=at,
+        ),
+        MegatronWeight(
+            _LAYER + "mlp.shared_experts.linear_fc1.weight",
+            (
+                _HF_LAYER + "mlp.shared_experts.gate_proj.weight",
+                _HF_LAYER + "mlp.shared_experts.up_proj.weight",
+            ),
+            join="gate_up",
+            split="column",
+            layers=at,
+        ),
+        MegatronWeight(
+            _LAYER + "mlp.shared_experts.linear_fc2.weight",
+            (_HF_LAYER + "mlp.shared_experts.down_proj.weight",),
+            split="row",
+            layers=at,
+        ),
+    ]
