@@ -205,3 +205,14 @@ def test_what_megatron_cannot_express_in_deepseek_v3_is_listed() -> None:
     odd = {**base, "norm_topk_prob": False, "rope_parameters": {"rope_type": "llama3"}}
     listed = " ".join(deepseek_v3.megatron(odd).unsupported)
     assert "norm_topk_prob" in listed and "llama3" in listed
+
+
+def test_kimi_k25_maps_its_language_model_as_deepseek_v3() -> None:
+    from miles.core.families import family_named
+    from miles.core.family import text_config
+
+    kimi = family_named("kimi_k25")
+    config = kimi.tiny()  # type: ignore[misc]
+    assert kimi.megatron is not None
+    assert kimi.megatron(config) == deepseek_v3.megatron(text_config(config))
+    assert kimi.megatron(config).transformer["multi_latent_attention"]

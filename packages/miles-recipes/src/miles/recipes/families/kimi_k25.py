@@ -177,4 +177,6 @@ def kimi_k25() -> ModelFamily:
         summary="Kimi K2.5 / K2.6: MoonViT + projector over a Kimi K2 (DeepSeek-V3) language "
         "model; Miles loads and trains the language model only",
         checkpoints=("moonshotai/Kimi-K2.5", "moonshotai/Kimi-K2.6"),
+        # The language model Miles loads is a DeepseekV3ForCausalLM under DeepSeek-V3's names.
+        megatron=ds.megatron,
     )
