@@ -85,6 +85,18 @@ def test_hf_to_shards_to_hf_is_exact(case: str, layout: ParallelLayout, spec: st
         assert torch.equal(back[name], tensor), name
 
 
+def test_gather_takes_the_ranks_a_real_job_has() -> None:
+    """In a Megatron job an expert's tensor rank is its process's tensor rank: no process holds
+    (tp=0, etp=1). Gather reads each place from whichever rank has it."""
+    _, mapping, state = _model("deepseek_v3")
+    layout = ParallelLayout(tp=2, pp=2, ep=2)
+    job = [Rank(pp=p, tp=t, ep=e, etp=t) for p in range(2) for t in range(2) for e in range(2)]
+    back = gather({r: shard(state, mapping, layout, r) for r in job}, mapping, layout)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    with pytest.raises(KeyError, match="tensor-parallel index 1 of 2"):
+        gather({r: shard(state, mapping, layout, r) for r in job if r.tp == 0}, mapping, layout)
+
+
 def test_shards_are_cut_per_rank_then_fused() -> None:
     """Megatron's fused tensors hold each tensor rank's gate (or q/k/v) rows together."""
     config, mapping, state = _model("qwen3")

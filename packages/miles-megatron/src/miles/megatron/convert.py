@@ -249,8 +249,10 @@ def gather(
     layout: ParallelLayout,
     spec: Spec = "local",
 ) -> dict[str, torch.Tensor]:
-    """Every Hugging Face weight of the mapping, put together from all ranks' shards (named as
-    `spec` names them). Data-parallel copies are not needed: one rank per place is enough."""
+    """Every Hugging Face weight of the mapping, put together from ranks' shards (named as
+    `spec` names them). Any set of ranks that covers every place of the layout will do: copies
+    (data-parallel ones, dense weights on other expert ranks, experts on other tensor ranks) are
+    read once."""
     head_dim, q_per_group = _heads(mapping)
     vocab = int(mapping.model["vocab_size"])
     places: dict[tuple[tuple[str, ...], int | None], _Placed] = {}
@@ -258,15 +260,25 @@ def gather(
     pieces: dict[tuple[tuple[str, ...], int | None], dict[int, list[torch.Tensor]]] = defaultdict(
         dict
     )
-    for rank in layout.ranks():
-        placed = [p for p in _placed(mapping, layout, rank) if _holds_original(rank, p)]
+    for rank in sorted(shards):
+        placed = list(_placed(mapping, layout, rank))
         named = spec_names([p.name for p in placed], spec)
         for p in placed:
-            _, index = _tp_of(p, layout, rank)
+            size, index = _tp_of(p, layout, rank)
             key = (p.hf, p.expert)
+            if index in pieces[key]:
+                continue  # a copy
             places[key] = p
             tensor = _take(shards, rank, named[p.name])
             pieces[key][index] = _unjoin(tensor, p.weight.join, head_dim, q_per_group)
+    for rank in layout.ranks():  # every place covered?
+        for p in _placed(mapping, layout, rank):
+            size, index = _tp_of(p, layout, rank)
+            if index not in pieces.get((p.hf, p.expert), {}):
+                raise KeyError(
+                    f"no rank's shards hold {p.name!r} at tensor-parallel index {index} of "
+                    f"{size} ({rank}): gather needs every place of the layout"
+                )
     out: dict[str, torch.Tensor] = {}
     stacks: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     for key, by_index in pieces.items():
@@ -288,21 +300,11 @@ def gather(
     return out
 
 
-def _holds_original(rank: Rank, p: _Placed) -> bool:
-    """Whether `rank` is the one gather reads `p` from: the other coordinates only hold copies
-    (experts are copied across tensor ranks, everything else across expert ranks)."""
-    if _EXPERT in p.weight.megatron:
-        return rank.tp == 0
-    return rank.ep == 0 and rank.etp == 0
-
-
 def _take(shards: Mapping[Rank, Mapping[str, torch.Tensor]], rank: Rank, name: str) -> torch.Tensor:
     try:
         return shards[rank][name]
     except KeyError:
-        raise KeyError(
-            f"no shard {name!r} from rank {rank}: gather needs every place of the layout"
-        ) from None
+        raise KeyError(f"the shards of {rank} have no {name!r}") from None
 
 
 def _uncut(pieces: list[torch.Tensor], split: str | None, vocab: int) -> torch.Tensor:
