@@ -154,8 +154,79 @@ def _run(
         got = _gather_vocab(out, tp, group)[0, :, :vocab]
         want = torch.cat([hf(x[None]).logits[0] for x in seqs])
         result["packed_max_abs_diff"] = (got.float() - want.float()).abs().max().item()
+    result.update(_grads(hf, model, mapping, layout, here, ids, vocab, device))
     report(rank, result)
     dist.destroy_process_group()
+
+
+def _grads(
+    hf: Any,
+    model: Any,
+    mapping: Any,
+    layout: Any,
+    here: Any,
+    ids: torch.Tensor,
+    vocab: int,
+    device: torch.device,
+) -> dict[str, float]:
+    """One loss over logprobs and entropy (what an RL loss reads), backward through both models:
+    Megatron's logprobs from its hidden states (miles.megatron.head) against transformers' full
+    log-softmax, and every weight's gradient, gathered from all ranks, against transformers'."""
+    from megatron.core import parallel_state
+
+    from miles.megatron.convert import gather
+    from miles.megatron.head import bypass_output_layer, token_logprobs
+
+    temperature = 0.8
+    g = torch.Generator().manual_seed(2)
+    targets = torch.randint(0, vocab, ids.shape, generator=g).to(device)
+    a, b = (torch.randn(ids.shape, generator=g).to(device) for _ in range(2))
+
+    logp = torch.log_softmax(hf(ids).logits.float() / temperature, dim=-1)
+    ref_lp = logp.gather(-1, targets[..., None]).squeeze(-1)
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    hf.zero_grad()
+    (ref_lp * a + ref_ent * b).sum().backward()
+
+    bypass_output_layer(model)
+    model.zero_grad()
+    positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    lp, ent = token_logprobs(
+        model, ids, positions, targets, vocab_size=vocab, temperature=temperature
+    )
+    (lp * a + ent * b).sum().backward()
+    # What finalize_model_grads does in a training step: per-head q/k norms see only this tensor
+    # rank's heads, so their gradients are summed over the tensor group.
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(tp_group) > 1 and not mapping.transformer.get("multi_latent_attention"):
+        for name, param in model.named_parameters():
+            if ("q_layernorm" in name or "k_layernorm" in name) and param.grad is not None:
+                dist.all_reduce(param.grad, group=tp_group)
+
+    # Gradients as shards (buffers: zeros), from every rank, put together under HF names.
+    params = dict(model.named_parameters())
+    mine = {
+        k: (params[k].grad if k in params and params[k].grad is not None else torch.zeros_like(v))
+        for k, v in model.state_dict().items()
+        if not k.endswith("_extra_state")
+    }
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (here, {k: v.cpu() for k, v in mine.items()}))
+    grads = gather(dict(everyone), mapping, layout)
+    theirs = {
+        k: (p.grad if p.grad is not None else torch.zeros_like(p)) for k, p in hf.named_parameters()
+    }
+    scale = max(t.abs().max().item() for t in theirs.values())
+    diffs = {k: (grads[k].to(device) - t).abs().max().item() for k, t in theirs.items()}
+    if os.environ.get("MILES_DEBUG_GRADS"):
+        print({k: round(v, 6) for k, v in diffs.items() if v > 1e-4})
+    diff = max(diffs.values())
+    return {
+        "logprob_max_abs_diff": (lp - ref_lp).abs().max().item(),
+        "entropy_max_abs_diff": (ent - ref_ent).abs().max().item(),
+        "grad_max_abs_diff": diff,
+        "grad_scale": scale,
+    }
 
 
 def _gather_vocab(logits: torch.Tensor, tp: int, group: Any) -> torch.Tensor:
