@@ -83,3 +83,13 @@ def test_megatron_logits_equal_transformers_in_bf16_on_a_gpu(
     # bf16 against bf16 through different kernels: a few bf16 ulps of the logits' scale.
     for key in ("max_abs_diff", "packed_max_abs_diff"):
         assert r[key] < 0.05 * max(1.0, r["ref_scale"]), r
+
+
+def test_a_model_megatron_cannot_express_is_refused_before_it_is_built() -> None:
+    from miles.megatron.layout import ParallelLayout
+    from miles.megatron.model import UnsupportedModel, transformer_config
+    from miles.recipes.families.qwen3 import qwen3_megatron, qwen3_tiny
+
+    sliding = {**qwen3_tiny(), "vocab_size": 300, "use_sliding_window": True}
+    with pytest.raises(UnsupportedModel, match=r"sliding-window.*train\.backend: fsdp"):
+        transformer_config(qwen3_megatron(sliding), ParallelLayout())

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear
@@ -78,8 +79,6 @@ def build_gpt_model(
     mapping: MegatronMapping, layout: ParallelLayout, config: TransformerConfig
 ) -> GPTModel:
     """This rank's GPTModel (its pipeline stage, its tensor and expert shards)."""
-    from megatron.core import parallel_state
-
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     for layer in spec.layer_specs:
         attention = layer.submodules.self_attention.submodules
