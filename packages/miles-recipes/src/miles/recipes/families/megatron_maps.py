@@ -9,95 +9,75 @@ from typing import Literal
 
 from miles.core.family import MegatronWeight
 
-_LAYER = "decoder.layers.{layer}."
-_HF_LAYER = "model.layers.{layer}."
+Split = Literal["column", "row"] | None
+Join = Literal["copy", "qkv", "gate_up"]
+
+
+def _in_layers(
+    layers: Sequence[int],
+    ours: str,
+    theirs: str | tuple[str, ...],
+    split: Split = None,
+    join: Join = "copy",
+) -> MegatronWeight:
+    """A parameter of each of `layers`: names relative to the decoder layer on both sides."""
+    parts = (theirs,) if isinstance(theirs, str) else theirs
+    return MegatronWeight(
+        "decoder.layers.{layer}." + ours,
+        tuple("model.layers.{layer}." + p for p in parts),
+        join=join,
+        split=split,
+        layers=tuple(layers),
+    )
 
 
 def attention_weights(layers: Sequence[int], *, qk_norm: bool) -> list[MegatronWeight]:
     """Pre-norm GQA attention without biases: input norm, fused QKV, output projection, per-head
     q/k norms."""
-    at = tuple(layers)
+    qkv = tuple(f"self_attn.{p}_proj.weight" for p in "qkv")
     out = [
-        MegatronWeight(
-            _LAYER + "input_layernorm.weight", (_HF_LAYER + "input_layernorm.weight",), layers=at
-        ),
-        MegatronWeight(
-            _LAYER + "self_attention.linear_qkv.weight",
-            tuple(_HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"),
-            join="qkv",
-            split="column",
-            layers=at,
-        ),
-        MegatronWeight(
-            _LAYER + "self_attention.linear_proj.weight",
-            (_HF_LAYER + "self_attn.o_proj.weight",),
-            split="row",
-            layers=at,
-        ),
+        _in_layers(layers, "input_layernorm.weight", "input_layernorm.weight"),
+        _in_layers(layers, "self_attention.linear_qkv.weight", qkv, "column", "qkv"),
+        _in_layers(layers, "self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row"),
     ]
     if qk_norm:
-        for ours, theirs in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
-            out.append(
-                MegatronWeight(
-                    _LAYER + f"self_attention.{ours}.weight",
-                    (_HF_LAYER + f"self_attn.{theirs}.weight",),
-                    layers=at,
-                )
-            )
+        out += [
+            _in_layers(layers, "self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+            _in_layers(layers, "self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+        ]
     return out
+
+
+def _swiglu(layers: Sequence[int], ours: str, theirs: str) -> list[MegatronWeight]:
+    """A SwiGLU MLP from separate gate, up and down projections (`ours` / `theirs`: the module)."""
+    gate_up = (f"{theirs}.gate_proj.weight", f"{theirs}.up_proj.weight")
+    return [
+        _in_layers(layers, f"{ours}.linear_fc1.weight", gate_up, "column", "gate_up"),
+        _in_layers(layers, f"{ours}.linear_fc2.weight", f"{theirs}.down_proj.weight", "row"),
+    ]
+
+
+def _pre_mlp_norm(layers: Sequence[int]) -> MegatronWeight:
+    return _in_layers(layers, "pre_mlp_layernorm.weight", "post_attention_layernorm.weight")
 
 
 def swiglu_weights(layers: Sequence[int]) -> list[MegatronWeight]:
     """A dense SwiGLU MLP after its pre-MLP norm."""
-    at = tuple(layers)
-    return [
-        MegatronWeight(
-            _LAYER + "pre_mlp_layernorm.weight",
-            (_HF_LAYER + "post_attention_layernorm.weight",),
-            layers=at,
-        ),
-        MegatronWeight(
-            _LAYER + "mlp.linear_fc1.weight",
-            (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"),
-            join="gate_up",
-            split="column",
-            layers=at,
-        ),
-        MegatronWeight(
-            _LAYER + "mlp.linear_fc2.weight",
-            (_HF_LAYER + "mlp.down_proj.weight",),
-            split="row",
-            layers=at,
-        ),
-    ]
+    return [_pre_mlp_norm(layers), *_swiglu(layers, "mlp", "mlp")]
 
 
 def routed_experts_weights(layers: Sequence[int]) -> list[MegatronWeight]:
     """A routed-expert MLP as transformers 5 holds it: a linear router (`mlp.gate`) and the
     experts stacked in two tensors (`gate_up_proj` [experts, 2 x ffn, hidden], gate rows first;
     `down_proj` [experts, hidden, ffn]). Megatron holds one module per expert."""
-    at = tuple(layers)
     experts = "mlp.experts.local_experts.{expert}."
     return [
-        MegatronWeight(
-            _LAYER + "pre_mlp_layernorm.weight",
-            (_HF_LAYER + "post_attention_layernorm.weight",),
-            layers=at,
+        _pre_mlp_norm(layers),
+        _in_layers(layers, "mlp.router.weight", "mlp.gate.weight"),
+        _in_layers(
+            layers, experts + "linear_fc1.weight", "mlp.experts.gate_up_proj", "column", "gate_up"
         ),
-        MegatronWeight(_LAYER + "mlp.router.weight", (_HF_LAYER + "mlp.gate.weight",), layers=at),
-        MegatronWeight(
-            _LAYER + experts + "linear_fc1.weight",
-            (_HF_LAYER + "mlp.experts.gate_up_proj",),
-            join="gate_up",
-            split="column",
-            layers=at,
-        ),
-        MegatronWeight(
-            _LAYER + experts + "linear_fc2.weight",
-            (_HF_LAYER + "mlp.experts.down_proj",),
-            split="row",
-            layers=at,
-        ),
+        _in_layers(layers, experts + "linear_fc2.weight", "mlp.experts.down_proj", "row"),
     ]
 
 
@@ -119,57 +99,42 @@ def mla_weights(layers: Sequence[int], *, q_lora: bool) -> list[MegatronWeight]:
     compressed KV with its rotary part, each low-rank side normalised. Every projection is cut
     by tensor parallelism: the down projections' outputs (the latents) are gathered before their
     norms, as megatron-core's local spec does; the up projections are cut by heads."""
-    at = tuple(layers)
-
-    def w(ours: str, theirs: str, split: Literal["column", "row"] | None = None) -> MegatronWeight:
-        return MegatronWeight(_LAYER + ours, (_HF_LAYER + theirs,), split=split, layers=at)
-
+    attn = "self_attention."
     out = [
-        w("input_layernorm.weight", "input_layernorm.weight"),
-        w(
-            "self_attention.linear_kv_down_proj.weight",
+        _in_layers(layers, "input_layernorm.weight", "input_layernorm.weight"),
+        _in_layers(
+            layers,
+            attn + "linear_kv_down_proj.weight",
             "self_attn.kv_a_proj_with_mqa.weight",
             "column",
         ),
-        w("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
-        w("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight", "column"),
-        w("self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row"),
+        _in_layers(layers, attn + "kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+        _in_layers(
+            layers, attn + "linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight", "column"
+        ),
+        _in_layers(layers, attn + "linear_proj.weight", "self_attn.o_proj.weight", "row"),
     ]
     if q_lora:
         out += [
-            w("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight", "column"),
-            w("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
-            w("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight", "column"),
+            _in_layers(
+                layers, attn + "linear_q_down_proj.weight", "self_attn.q_a_proj.weight", "column"
+            ),
+            _in_layers(layers, attn + "q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+            _in_layers(
+                layers, attn + "linear_q_up_proj.weight", "self_attn.q_b_proj.weight", "column"
+            ),
         ]
     else:
-        out.append(w("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight", "column"))
+        out.append(
+            _in_layers(layers, attn + "linear_q_proj.weight", "self_attn.q_proj.weight", "column")
+        )
     return out
 
 
 def shared_experts_weights(layers: Sequence[int]) -> list[MegatronWeight]:
     """Shared experts beside routed ones (one SwiGLU MLP of all shared experts' width), and the
     router's expert bias (DeepSeek-V3's `e_score_correction_bias`)."""
-    at = tuple(layers)
     return [
-        MegatronWeight(
-            _LAYER + "mlp.router.expert_bias",
-            (_HF_LAYER + "mlp.gate.e_score_correction_bias",),
-            layers=at,
-        ),
-        MegatronWeight(
-            _LAYER + "mlp.shared_experts.linear_fc1.weight",
-            (
-                _HF_LAYER + "mlp.shared_experts.gate_proj.weight",
-                _HF_LAYER + "mlp.shared_experts.up_proj.weight",
-            ),
-            join="gate_up",
-            split="column",
-            layers=at,
-        ),
-        MegatronWeight(
-            _LAYER + "mlp.shared_experts.linear_fc2.weight",
-            (_HF_LAYER + "mlp.shared_experts.down_proj.weight",),
-            split="row",
-            layers=at,
-        ),
+        _in_layers(layers, "mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"),
+        *_swiglu(layers, "mlp.shared_experts", "mlp.shared_experts"),
     ]
