@@ -85,7 +85,11 @@ def _run(
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
     )
-    if not cuda:
+    if cuda:  # the dropout RNG streams Megatron's layers fork at construction
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    else:
         _shim_cpu()
     from transformers import AutoConfig, AutoModelForCausalLM
 

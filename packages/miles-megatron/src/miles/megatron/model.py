@@ -1,8 +1,9 @@
 """A Megatron-core GPTModel built from a family's mapping, on the local (torch-only) layer spec
 with Miles' core attention (packed sequences, FlashAttention on CUDA).
 
-Megatron's parallel state must be initialised first (`parallel_state.initialize_model_parallel`);
-the model is this rank's part of it. TransformerEngine's fusions stay off: they need TE or apex,
+Megatron's parallel state must be initialised first (`parallel_state.initialize_model_parallel`,
+and on CUDA its RNG streams, `tensor_parallel.model_parallel_cuda_manual_seed`); the model is this
+rank's part of it. TransformerEngine's fusions stay off: they need TE or apex,
 which the local spec does without.
 """
 
@@ -89,7 +90,7 @@ def build_gpt_model(
             if hasattr(attention, name):
                 setattr(attention, name, ColumnParallelLinear)
     model = mapping.model
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=layout.padded_vocab(int(model["vocab_size"])),
@@ -100,3 +101,8 @@ def build_gpt_model(
         position_embedding_type=str(model["position_embedding_type"]),
         rotary_base=int(model["rotary_base"]),
     )
+    if torch.cuda.is_available():
+        # Megatron makes its parallel layers on the GPU, but torch's own modules of the local
+        # spec (the norms) on the host; Megatron-LM moves the model after building it too.
+        gpt.cuda(torch.cuda.current_device())
+    return gpt
