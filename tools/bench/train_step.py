@@ -70,6 +70,7 @@ def measure(
     packing: str = "auto",
     varied: bool = False,
     profile: bool = False,
+    compile_mode: str = "auto",
 ) -> dict:
     from miles.core.types import PackedBatch, Sample
     from miles.torch.testing import make_trainer
@@ -82,6 +83,7 @@ def measure(
         micro_batch_tokens=micro_batch_tokens,
         dtype="bfloat16",
         packing=packing,
+        compile=compile_mode,
     )
     rng = np.random.default_rng(0)
     # Varied: responses of 1/8 to all of the budget, as a rollout's are (the padded layout
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--packing", default="auto", help="comma-separated: auto, off")
     parser.add_argument("--varied", action="store_true", help="response lengths vary (W0-like)")
     parser.add_argument("--profile", action="store_true", help="print a profile of each row")
+    parser.add_argument("--compile", default="auto", help="comma-separated: auto, off")
     parser.add_argument("--out", default="/tmp/train_step.md")
     args = parser.parse_args()
     rate = matmul_rate()
@@ -176,26 +179,32 @@ def main() -> None:
             f"{matmul_params / 1e6:.0f}M matmul parameters; {args.samples} x {args.seq_len} "
             f"tokens per step (more when a micro-batch needs them); old-logprob forward + train step",
             "",
-            "| packing | micro_batch_tokens | tokens / step | step s | MFU | peak GB (measured) "
-            "| planned GB | planned / measured |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| packing | compile | micro_batch_tokens | tokens / step | step s | MFU "
+            "| peak GB (measured) | planned GB | planned / measured |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for packing in args.packing.split(","):
-            for mbt in [int(x) for x in args.sweep.split(",")]:
-                # Enough sequences that the micro-batch is full (the plan assumes it is).
-                samples = max(args.samples, -(-mbt // args.seq_len))
-                r = measure(
-                    tmp, mbt, samples, args.seq_len, args.steps, packing, args.varied, args.profile
-                )
-                gc.collect()
-                torch.cuda.empty_cache()
-                plan_gb = planned_train_gb(tmp, mbt)
-                lines.append(
-                    f"| {packing} | {mbt} | {r['tokens']} | {r['step_s']:.3f} | "
-                    f"{100 * flops_per_token * r['tokens'] / r['step_s'] / rate:.0f}% | "
-                    f"{r['peak_gb']:.1f} | {plan_gb:.1f} | {plan_gb / r['peak_gb']:.2f} |"
-                )
-                print(lines[-1], flush=True)
+        rows = [
+            (packing, mode, int(mbt))
+            for packing in args.packing.split(",")
+            for mode in args.compile.split(",")
+            for mbt in args.sweep.split(",")
+        ]
+        for packing, mode, mbt in rows:
+            # Enough sequences that the micro-batch is full (the plan assumes it is).
+            samples = max(args.samples, -(-mbt // args.seq_len))
+            r = measure(
+                tmp, mbt, samples, args.seq_len, args.steps, packing, args.varied,
+                args.profile, mode,
+            )  # fmt: skip
+            gc.collect()
+            torch.cuda.empty_cache()
+            plan_gb = planned_train_gb(tmp, mbt)
+            lines.append(
+                f"| {packing} | {mode} | {mbt} | {r['tokens']} | {r['step_s']:.3f} | "
+                f"{100 * flops_per_token * r['tokens'] / r['step_s'] / rate:.0f}% | "
+                f"{r['peak_gb']:.1f} | {plan_gb:.1f} | {plan_gb / r['peak_gb']:.2f} |"
+            )
+            print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)

@@ -268,3 +268,24 @@ def test_checkpoint_keeps_the_hf_on_disk_format(arch, tied, make_trainer, tmp_pa
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
     assert max_diff(dict(loaded.named_parameters()), weights(trainer)) == 0.0
     assert not math.isnan(trainer.train_step(make_batch(SHAPES), sft)["train/loss"])
+
+
+def test_compiled_layers_take_the_eager_step(model_path, make_trainer):
+    # train.compile: "on" runs each decoder layer through torch.compile (Inductor); the
+    # logprobs and the update must be the eager ones up to float rounding.
+    batch = make_batch(SHAPES)
+    results = []
+    for mode in ("off", "on"):
+        trainer = make_trainer(model_path, lr=1e-2, eps=1e-3, micro_batch_tokens=12, compile=mode)
+        compiled = [layer for layer in trainer.model.model.layers if "forward" in layer.__dict__]
+        assert len(compiled) == (len(trainer.model.model.layers) if mode == "on" else 0)
+        logprobs = trainer.logprobs(batch).logprobs
+        metrics = trainer.train_step(batch, sft)
+        results.append((logprobs, metrics, weights(trainer)))
+        trainer.close()
+    (lp_eager, m_eager, w_eager), (lp_compiled, m_compiled, w_compiled) = results
+    np.testing.assert_allclose(lp_compiled, lp_eager, rtol=0, atol=1e-5)
+    for key in ("train/loss", "train/entropy", "train/grad_norm"):
+        assert m_compiled[key] == pytest.approx(m_eager[key], rel=1e-5), key
+    assert max_diff(w_compiled, w_eager) < 1e-5
+    assert max_diff(w_eager, weights_before(model_path)) > 1e-4

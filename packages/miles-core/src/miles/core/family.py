@@ -180,6 +180,10 @@ class ModelFamily:
     # (`weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`, attributes `weight` and
     # `variance_epsilon`): the trainer may run them as fused kernels.
     rms_norms: tuple[str, ...] = ()
+    # The decoder layer traces whole under torch.compile and trains faster compiled (measured):
+    # the fsdp trainer compiles it on CUDA by default (`train.compile: auto`). Families where
+    # compiling costs more start-up than it saves (MoE expert loops, say) leave it off.
+    compile_layers: bool = False
     summary: str = ""
     # The real checkpoints this family was written against, and their config.json (so plans of a
     # hub id work without downloading it).

@@ -392,6 +392,7 @@ def qwen3() -> ModelFamily:
         tiny=qwen3_tiny,
         packed_sequences=True,
         rms_norms=("Qwen3RMSNorm",),
+        compile_layers=True,
         summary="Qwen3 dense: GQA with q/k RMSNorm, SwiGLU MLP",
         checkpoints=("Qwen/Qwen3-0.6B",),
         megatron=qwen3_megatron,

@@ -9,6 +9,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 LOGIT_CHUNK_ELEMENTS = 1 << 27
 DTYPES = ("float32", "bfloat16")
 PACKING = ("auto", "on", "off")
+COMPILE = ("auto", "on", "off")
 
 
 @dataclass
@@ -48,6 +49,11 @@ class FSDPConfig:
     activation_checkpointing: bool = False
     # Free each layer's gathered weights after its forward (less memory, one more all-gather).
     reshard_after_forward: bool = True
+    # Each decoder layer's forward through `torch.compile` (Inductor fuses its elementwise work;
+    # a step launches far fewer kernels): "auto" on CUDA for families that declare it
+    # (`compile_layers`), eager for what Dynamo cannot trace; "on" everywhere, errors raised;
+    # "off" never.
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
@@ -58,6 +64,8 @@ class FSDPConfig:
             raise ValueError(schedule_problem(self, self.total_steps))
         if self.packing not in PACKING:
             raise ValueError(f"packing must be one of {PACKING}, got {self.packing!r}")
+        if self.compile not in COMPILE:
+            raise ValueError(f"compile must be one of {COMPILE}, got {self.compile!r}")
         if self.ref_mode not in ("copy", "offload"):
             raise ValueError(f"ref_mode must be 'copy' or 'offload', got {self.ref_mode!r}")
         if self.dtype not in DTYPES:

@@ -51,7 +51,7 @@ from miles.torch.train import packed_attention, profiling
 from miles.torch.train.checks import family_of_checkpoint, packs_sequences
 from miles.torch.train.config import FSDPConfig, schedule_problem
 from miles.torch.train.distributed import init_process_group, resolve_device
-from miles.torch.train.layers import decoder_layers, recompute_in_backward
+from miles.torch.train.layers import compile_layer, decoder_layers, recompute_in_backward
 from miles.torch.train.logprobs import token_logprobs
 from miles.torch.train.microbatch import MicroBatch, shard_micro_batches
 from miles.torch.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
@@ -92,6 +92,7 @@ class FSDPTrainer:
         self.packed = packs_sequences(cfg.packing, model_path)
         family = family_of_checkpoint(model_path)
         self._rms_norms = () if family is None else family.rms_norms
+        self._family_compiles = family is not None and family.compile_layers
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Hugging Face models that fully_shard turned into FSDPModules as well.
         self.model: Any
@@ -129,7 +130,9 @@ class FSDPTrainer:
         model = (load_critic(path, attn, seed) if critic else _load_hf_model(path, attn)).eval()
         if not critic:  # a precision's own layers (e.g. fp8 / int4 training linears)
             _check_converted(self.setup, self.setup.precision.convert_model(model))
-        fuse_rms_norms(model, self._rms_norms, self.device)
+        compiled = self._compiles()
+        if not compiled:  # Inductor fuses the norms of a compiled layer itself
+            fuse_rms_norms(model, self._rms_norms, self.device)
         if trainable and not critic and self.lora is not None:
             apply_lora(model, self.lora)  # base frozen; adapters train
         layers = decoder_layers(model)
@@ -150,12 +153,19 @@ class FSDPTrainer:
                 reshard_after_forward=self.cfg.reshard_after_forward,
             )
         fully_shard(model, mesh=self.mesh, mp_policy=policy)
+        for layer in layers if compiled else ():  # after sharding: measured faster than before
+            compile_layer(layer, fallback=self.cfg.compile == "auto")
         for module in (*layers, model):
             assert isinstance(module, FSDPModule)
             # Sum gradients over ranks (see the module docstring) instead of averaging.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
         return model, prefixes
+
+    def _compiles(self) -> bool:
+        return self.cfg.compile == "on" or (
+            self.cfg.compile == "auto" and self.device.type == "cuda" and self._family_compiles
+        )
 
     def _attention(self) -> str:
         return packed_attention.NAME if self.packed else self.cfg.attn_implementation

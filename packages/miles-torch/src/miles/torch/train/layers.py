@@ -1,4 +1,4 @@
-"""The units FSDP shards by (the decoder layers), and activation checkpointing of one."""
+"""The units FSDP shards by (the decoder layers); compiling one, and activation checkpointing of one."""
 
 from __future__ import annotations
 
@@ -28,3 +28,12 @@ def recompute_in_backward(layer: torch.nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     layer.forward = forward
+
+
+def compile_layer(layer: torch.nn.Module, *, fallback: bool) -> None:
+    """Run `layer`'s own forward through `torch.compile` with dynamic shapes (packed micro-batches
+    vary in length). Only the forward is swapped, so parameter names, FSDP's hooks around the
+    call and checkpoints stay as they are. `fallback`: what Dynamo cannot trace runs eagerly."""
+    if fallback:
+        torch._dynamo.config.suppress_errors = True
+    layer.forward = torch.compile(layer.forward, dynamic=True)
