@@ -1,0 +1,102 @@
+"""The `miles serve` command. Torch, the engine and the web stack load only when it runs, so
+`miles --help` stays fast."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("target")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=int, default=30000, show_default=True)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a key of the recipe or config (e.g. model.path=...).",
+)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when there is one).")
+@click.option("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on a GPU).")
+@click.option("--max-batch-size", type=int, default=64, show_default=True)
+@click.option(
+    "--max-queue",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Prompts waiting beyond this get HTTP 503.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--record-routing", is_flag=True, help="Record MoE routes (return_routed_experts).")
+@click.option(
+    "--api-key",
+    default=lambda: os.environ.get("MILES_SERVE_API_KEY"),
+    help="Require 'Authorization: Bearer KEY' (default: $MILES_SERVE_API_KEY; none: open).",
+)
+def serve(
+    target: str,
+    host: str,
+    port: int,
+    overrides: tuple[str, ...],
+    device: str | None,
+    dtype: str | None,
+    max_batch_size: int,
+    max_queue: int,
+    seed: int,
+    record_routing: bool,
+    api_key: str | None,
+) -> None:
+    """Serve TARGET (a Hugging Face checkpoint directory, a recipe or a CONFIG.yaml) with
+    Miles' torch engine behind SGLang's HTTP API (/generate, weight updates, pause/continue,
+    health). Binds to 127.0.0.1 unless --host says otherwise."""
+    import torch
+    import uvicorn
+
+    from miles.sglang.server import ServeSettings, build_app
+    from miles.torch.engine.engine import TorchRolloutEngine
+
+    if max_batch_size < 1 or max_queue < 1:
+        raise click.BadParameter("--max-batch-size and --max-queue must be at least 1")
+    model_path = _model_path(target, list(overrides))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    click.echo(f"miles serve: loading {model_path} on {device} ({dtype})", err=True)
+    engine = TorchRolloutEngine(
+        model_path,
+        device=device,
+        dtype=dtype,
+        max_batch_size=max_batch_size,
+        seed=seed,
+        record_routing="ids" if record_routing else "off",
+        path="auto",
+    )
+    settings = ServeSettings(
+        model_path=model_path,
+        max_batch_size=max_batch_size,
+        max_queue=max_queue,
+        api_key=api_key or None,
+        record_routing=record_routing,
+    )
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        click.echo(f"miles serve: listening on {host} with no API key", err=True)
+    uvicorn.run(build_app(engine, settings), host=host, port=port, log_level="warning")
+
+
+def _model_path(target: str, overrides: list[str]) -> str:
+    """A checkpoint directory as it is; a recipe or config: its model (made or converted, as
+    `miles run` would, in a temporary directory)."""
+    path = Path(target)
+    if path.is_dir() and (path / "config.json").is_file() and not overrides:
+        return str(path)
+    from miles.core.runner import RunRequest, resolve_config
+
+    assets = Path(tempfile.mkdtemp(prefix="miles-serve-"))
+    config, _, _ = resolve_config(RunRequest(target, overrides, run_dir=assets))
+    if not config.model.path:
+        raise click.ClickException(f"{target!r} names no model (set model.path)")
+    return str(config.model.path)

@@ -1,0 +1,299 @@
+"""The engine behind `miles serve`: requests from many HTTP calls batched into engine calls, and
+SGLang's pause / continue / abort semantics on top of the engine's one `pause()`.
+
+A bounded queue takes each prompt; a batcher thread gathers what is queued (up to the engine's
+batch size) into one `engine.generate` call, run on a worker thread, so concurrent clients share
+model steps. Each prompt's result is delivered through its callback on the thread that finished
+it.
+
+The engine can only stop everything it runs (`pause()`: every running request comes back with
+finish "abort" and its tokens so far). The host builds SGLang's modes from that:
+- `abort`: the stopped requests are answered with finish_reason abort;
+- `retract` / `in_place`: they are kept and, on `continue_generation`, resumed from where they
+  stopped (prompt + tokens so far, the rest of the token budget); their answer joins both parts
+  (tokens, logprobs) and carries the weight version that finished it;
+- `/abort_request` of one request: everything is stopped, that one answered with abort, the rest
+  resumed at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.core.types import GenerateRequest, GenerateResult, SamplingParams
+
+Deliver = Callable[["Finished"], None]
+
+
+class QueueFull(RuntimeError):
+    """More prompts wait than the server's queue holds (HTTP 503)."""
+
+
+class NotServing(RuntimeError):
+    """Paused, or memory released (HTTP 503)."""
+
+
+@dataclass
+class Finished:
+    """A prompt's whole answer, its parts joined when it was retracted and resumed."""
+
+    rid: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # stop | length | abort
+    weight_version: int
+    routing: Any = None  # [tokens, layers, top_k] of prompt + response, or None
+    cached_tokens: int = 0
+    started: float = 0.0
+    error: str | None = None  # the engine failed on this request
+
+
+@dataclass
+class _Job:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    deliver: Deliver
+    started: float = field(default_factory=time.perf_counter)
+    # Tokens made before a retraction; the next engine call continues after them.
+    done_ids: list[int] = field(default_factory=list)
+    done_logprobs: list[float] = field(default_factory=list)
+    first_routing: Any = None
+
+
+class EngineHost:
+    def __init__(self, engine: Any, max_batch_size: int = 64, max_queue: int = 1024) -> None:
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max_queue)
+        self._ids = itertools.count()
+        self._lock = threading.Condition()
+        self._running: dict[int, _Job] = {}  # engine request id -> job, in an engine call
+        self._workers = 0  # engine calls in progress
+        self._starting = 0  # jobs the batcher holds, waiting for continue
+        self._held: list[_Job] = []  # retracted, waiting for continue
+        self._keep_stopped = False  # stopped jobs are held (retract) rather than answered
+        self._drop: set[str] = set()  # rids to answer with abort when they stop
+        self.paused = False
+        self._closed = False
+        self._batcher = threading.Thread(target=self._batch_loop, name="miles-serve-batcher")
+        self._batcher.daemon = True
+        self._batcher.start()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def submit(
+        self, rid: str, prompt_ids: list[int], sampling: SamplingParams, deliver: Deliver
+    ) -> None:
+        if self.paused:
+            raise NotServing("generation is paused: POST /continue_generation first")
+        try:
+            self._queue.put_nowait(_Job(rid, list(prompt_ids), sampling, deliver))
+        except queue.Full:
+            raise QueueFull(
+                f"{self._queue.maxsize} requests are queued already (--max-queue); retry later"
+            ) from None
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            running = self._workers or self._running or self._held or self._starting
+            return bool(running) or not self._queue.empty()
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._running) + len(self._held) + self._starting + self._queue.qsize()
+
+    def _batch_loop(self) -> None:
+        while not self._closed:
+            try:
+                first = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            jobs = [first]
+            time.sleep(0.002)  # let a burst of concurrent requests arrive together
+            while len(jobs) < self.max_batch_size:
+                try:
+                    jobs.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._start(jobs)
+
+    def _start(self, jobs: list[_Job]) -> None:
+        with self._lock:
+            # Queued before a pause: answered with abort (mode abort), else kept for continue.
+            self._starting += len(jobs)
+            while self.paused and self._keep_stopped and not self._closed:
+                self._lock.wait()
+            self._starting -= len(jobs)
+            if self.paused:
+                stopped = jobs
+                jobs = []
+        if not jobs:
+            for job in stopped:
+                job.deliver(self._answer(job, None, "abort"))
+            return
+        with self._lock:
+            requests = []
+            for job in jobs:
+                request_id = next(self._ids)
+                self._running[request_id] = job
+                budget = job.sampling.max_new_tokens - len(job.done_ids)
+                requests.append(
+                    GenerateRequest(
+                        request_id,
+                        job.prompt_ids + job.done_ids,
+                        _with_budget(job.sampling, budget),
+                    )
+                )
+            self._workers += 1
+        thread = threading.Thread(target=self._work, args=(requests,), daemon=True)
+        thread.start()
+
+    def _work(self, requests: list[GenerateRequest]) -> None:
+        try:
+            for finished in self.engine.generate(requests):
+                for result in finished:
+                    self._finish(result)
+        except Exception as exc:
+            for request in requests:
+                with self._lock:
+                    job = self._running.pop(request.request_id, None)
+                    if job is None:
+                        continue
+                    if self.paused and self._keep_stopped and job.rid not in self._drop:
+                        self._held.append(job)  # nothing generated yet: resumed on continue
+                        continue
+                error = None if self.paused else str(exc)
+                job.deliver(self._answer(job, None, "abort", error=error))
+        finally:
+            with self._lock:
+                self._workers -= 1
+                self._lock.notify_all()
+
+    def _finish(self, result: GenerateResult) -> None:
+        with self._lock:
+            job = self._running.pop(result.request_id)
+            if result.finish_reason == "abort" and job.rid not in self._drop and self._keep_stopped:
+                job.done_ids += result.response_ids
+                job.done_logprobs += result.logprobs
+                if job.first_routing is None:
+                    job.first_routing = result.routing
+                self._held.append(job)
+                return
+            self._drop.discard(job.rid)
+        job.deliver(self._answer(job, result, result.finish_reason))
+
+    def _answer(
+        self, job: _Job, result: GenerateResult | None, reason: str, error: str | None = None
+    ) -> Finished:
+        version = self.engine.weight_version
+        if result is not None:
+            v = result.weight_version
+            version = v if isinstance(v, int) else max(v, default=version)
+        return Finished(
+            rid=job.rid,
+            prompt_ids=job.prompt_ids,
+            response_ids=job.done_ids + (result.response_ids if result else []),
+            logprobs=job.done_logprobs + (result.logprobs if result else []),
+            finish_reason=reason,
+            weight_version=version,
+            # A resumed part's record covers prompt + earlier tokens + its own: the whole.
+            routing=result.routing if result is not None else job.first_routing,
+            cached_tokens=result.cached_tokens if result else 0,
+            started=job.started,
+            error=error,
+        )
+
+    # -- control -------------------------------------------------------------------------------
+
+    def _stop_running(self, keep: bool) -> None:
+        """Stop every engine call; wait until each has returned its requests."""
+        with self._lock:
+            self._keep_stopped = keep
+            self.paused = True
+        self.engine.pause()
+        with self._lock:
+            while self._workers:
+                self._lock.wait()
+
+    def pause(self, mode: str) -> None:
+        """SGLang's pause_generation: `abort` answers running and queued requests with abort;
+        `retract` and `in_place` keep them for continue."""
+        self._stop_running(keep=mode != "abort")
+        if mode == "abort":
+            for job in self._drain():
+                job.deliver(self._answer(job, None, "abort"))
+
+    def _drain(self) -> list[_Job]:
+        jobs = []
+        while True:
+            try:
+                jobs.append(self._queue.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def resume(self) -> None:
+        """continue_generation: the engine runs again; retracted requests go first."""
+        with self._lock:
+            held, self._held = self._held, []
+            self._keep_stopped = False
+        self.engine.resume()
+        with self._lock:
+            self.paused = False
+            self._lock.notify_all()
+        if held:
+            for start in range(0, len(held), self.max_batch_size):
+                self._start(held[start : start + self.max_batch_size])
+
+    def abort(self, rid: str | None, abort_all: bool) -> int:
+        """abort_request: answers the named request (or every one) with abort. Returns how many
+        were aborted."""
+        was_paused = self.paused
+        with self._lock:
+            wanted = {j.rid for j in self._running.values()} | {j.rid for j in self._held}
+            queued = self._drain()
+            known = wanted | {j.rid for j in queued}
+            targets = known if abort_all else {r for r in known if r == rid}
+        count = 0
+        for job in queued:  # not started: answered now, the rest queued again
+            if job.rid in targets:
+                job.deliver(self._answer(job, None, "abort"))
+                count += 1
+            else:
+                self._queue.put(job)
+        running = targets & {j.rid for j in self._running.values()}
+        held_targets = [j for j in self._held if j.rid in targets]
+        if running:
+            with self._lock:
+                self._drop |= running
+            self._stop_running(keep=True)
+            count += len(running)
+        with self._lock:
+            self._held = [j for j in self._held if j.rid not in targets]
+        for job in held_targets:
+            job.deliver(self._answer(job, None, "abort"))
+            count += 1
+        if running and not was_paused:
+            self.resume()
+        return count
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            self._lock.notify_all()
+        self._batcher.join(timeout=5)
+
+
+def _with_budget(sampling: SamplingParams, budget: int) -> SamplingParams:
+    if budget == sampling.max_new_tokens:
+        return sampling
+    return dataclasses.replace(sampling, max_new_tokens=max(budget, 0))

@@ -1,0 +1,368 @@
+"""SGLang's wire protocol: the request and response fields, written from SGLang's `io_struct.py`
+(`GenerateReqInput`), `sampling_params.py` and `http_server.py` (0.5.x), and the checks a server
+of ours applies to a request body. Pure Python: the client and `miles serve` share it.
+
+Three kinds of request field:
+- supported: parsed, type-checked, honoured;
+- SGLang's, not supported here: accepted only at SGLang's default (null, false, 0), else a 400
+  that names the field (so a client written for SGLang gets a clear answer, not a silent change);
+- anything else: a 400 naming the unknown field (drift on either side fails loudly).
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+# -- /generate request -------------------------------------------------------------------------
+
+# name -> JSON types accepted (None: null). `input_ids` and `text` may also be batches (lists).
+GENERATE_FIELDS: dict[str, tuple[type | None, ...]] = {
+    "text": (str, list),
+    "input_ids": (list,),
+    "sampling_params": (dict, list, None),
+    "rid": (str, list, None),
+    "return_logprob": (bool, list, None),
+    "logprob_start_len": (int, list, None),
+    "top_logprobs_num": (int, list, None),
+    "return_text_in_logprobs": (bool,),
+    "stream": (bool,),
+    "return_routed_experts": (bool,),
+    "log_metrics": (bool,),
+}
+# SGLang GenerateReqInput fields this server does not implement (accepted at their default).
+GENERATE_UNSUPPORTED: tuple[str, ...] = (
+    "session_id", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes",
+    "mm_content_hashes", "use_audio_in_video", "video_config", "token_ids_logprob",
+    "return_sampling_mask", "return_flat_raw_top_logprobs", "return_flat_raw_top_logprobs_b64",
+    "return_hidden_states", "routed_experts_start_len", "return_indexer_topk", "modalities",
+    "session_params", "lora_path", "lora_id", "custom_logit_processor",
+    "positional_embed_overrides", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "bootstrap_pair_key", "decode_tp_size", "routed_dp_rank", "data_parallel_rank",
+    "disagg_prefill_dp_rank", "kv_router_hint", "routing_key", "conversation_id",
+    "http_worker_ipc", "background", "require_reasoning", "max_thinking_tokens", "priority",
+    "extra_key", "no_logs", "custom_labels", "return_bytes", "return_entropy",
+    "return_prompt_token_ids", "external_trace_header", "received_time", "cache_salt",
+)  # fmt: skip
+
+SAMPLING_FIELDS: dict[str, tuple[type | None, ...]] = {
+    "max_new_tokens": (int, None),
+    "temperature": (float, int),
+    "top_p": (float, int),
+    "top_k": (int,),
+    "min_p": (float, int),
+    "stop": (str, list, None),
+    "stop_token_ids": (list, None),
+    "skip_special_tokens": (bool,),
+    "spaces_between_special_tokens": (bool,),
+    "no_stop_trim": (bool,),
+    "ignore_eos": (bool,),
+    "n": (int,),
+    "sampling_seed": (int, None),
+}
+SAMPLING_UNSUPPORTED: tuple[str, ...] = (
+    "min_new_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias",
+    "stream_interval", "dtype",
+)  # fmt: skip
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 128,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "stop": None,
+    "stop_token_ids": None,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "n": 1,
+    "sampling_seed": None,
+}
+
+# -- /generate response ------------------------------------------------------------------------
+
+RESPONSE_FIELDS = ("text", "output_ids", "meta_info")
+META_INFO_FIELDS = (
+    "id",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "weight_version",
+    "e2e_latency",
+)
+META_INFO_LOGPROB_FIELDS = ("output_token_logprobs",)  # with return_logprob
+META_INFO_ROUTING_FIELDS = ("routed_experts",)  # with return_routed_experts
+FINISH_TYPES = ("stop", "length", "abort")
+
+# -- other endpoints: request bodies (name -> JSON types) -------------------------------------
+
+INIT_GROUP_FIELDS: dict[str, tuple[type | None, ...]] = {
+    "master_address": (str,),
+    "master_port": (int,),
+    "rank_offset": (int,),
+    "world_size": (int,),
+    "group_name": (str,),
+    "backend": (str,),
+}
+UPDATE_DISTRIBUTED_FIELDS: dict[str, tuple[type | None, ...]] = {
+    "names": (list,),
+    "dtypes": (list,),
+    "shapes": (list,),
+    "group_name": (str,),
+    "flush_cache": (bool,),
+    "weight_version": (str, None),
+    "load_format": (str, None),
+    "abort_all_requests": (bool,),
+}
+UPDATE_TENSOR_FIELDS: dict[str, tuple[type | None, ...]] = {
+    "serialized_named_tensors": (list,),
+    "load_format": (str, None),
+    "flush_cache": (bool,),
+    "weight_version": (str, None),
+    "abort_all_requests": (bool,),
+}
+UPDATE_DISK_FIELDS: dict[str, tuple[type | None, ...]] = {
+    "model_path": (str,),
+    "load_format": (str, None),
+    "flush_cache": (bool,),
+    "weight_version": (str, None),
+    "abort_all_requests": (bool,),
+    "is_async": (bool,),
+    "torch_empty_cache": (bool,),
+    "keep_pause": (bool,),
+    "recapture_cuda_graph": (bool,),
+    "token_step": (int,),
+}
+DESTROY_GROUP_FIELDS: dict[str, tuple[type | None, ...]] = {"group_name": (str,)}
+PAUSE_FIELDS: dict[str, tuple[type | None, ...]] = {"mode": (str,)}
+PAUSE_MODES = ("abort", "retract", "in_place")
+ABORT_FIELDS: dict[str, tuple[type | None, ...]] = {
+    "rid": (str, None),
+    "abort_all": (bool,),
+    "finished_reason": (str, None),
+    "abort_message": (str, None),
+}
+WEIGHT_VERSION_FIELDS: dict[str, tuple[type | None, ...]] = {
+    "new_version": (str,),
+    "abort_all_requests": (bool,),
+}
+MEMORY_FIELDS: dict[str, tuple[type | None, ...]] = {"tags": (list, None)}
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# Every endpoint that changes weights or state answers this.
+RESULT_FIELDS = ("success", "message")
+
+
+class BadRequest(ValueError):
+    """A request the protocol refuses: the server answers 400 with this message."""
+
+
+def check_fields(
+    body: Any,
+    fields: dict[str, tuple[type | None, ...]],
+    what: str,
+    unsupported: tuple[str, ...] = (),
+    required: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """`body` as a dict whose every key is a known field of the right JSON type; a field SGLang
+    has and this server does not is allowed only at a falsy default."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"{what}: the body must be a JSON object, got {type(body).__name__}")
+    for key, value in body.items():
+        if key in unsupported:
+            if value not in (None, False, 0, [], {}, ""):
+                raise BadRequest(
+                    f"{what}: {key!r} is an SGLang field that miles serve does not support"
+                )
+            continue
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise BadRequest(f"{what}: unknown field {key!r} (fields: {known})")
+        if not _is_json_type(value, fields[key]):
+            names = "/".join("null" if t is None else _JSON_NAMES[t] for t in fields[key])
+            raise BadRequest(f"{what}: {key!r} must be {names}, got {_json_name(value)}")
+    missing = [k for k in required if body.get(k) is None]
+    if missing:
+        raise BadRequest(f"{what}: missing {', '.join(repr(k) for k in missing)}")
+    return {k: v for k, v in body.items() if k in fields}
+
+
+_JSON_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
+               dict: "object"}  # fmt: skip
+
+
+def _json_name(value: Any) -> str:
+    return "null" if value is None else _JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def _is_json_type(value: Any, types: tuple[type | None, ...]) -> bool:
+    if value is None:
+        return None in types
+    if isinstance(value, bool):  # bool is an int in Python, not in JSON
+        return bool in types
+    return any(t is not None and isinstance(value, t) for t in types)
+
+
+# -- a parsed /generate ------------------------------------------------------------------------
+
+
+@dataclass
+class Sampling:
+    """One request's sampling_params, checked."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class GenerateItem:
+    """One prompt of a /generate call (a batch call has several)."""
+
+    rid: str
+    sampling: Sampling
+    input_ids: list[int] | None = None
+    text: str | None = None
+    return_logprob: bool = False
+    return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
+
+
+@dataclass
+class GenerateCall:
+    items: list[GenerateItem]
+    batch: bool  # the body held lists: the response is a JSON array
+    stream: bool = False
+
+
+def parse_sampling(params: Any, where: str) -> Sampling:
+    p = check_fields(params or {}, SAMPLING_FIELDS, where, SAMPLING_UNSUPPORTED)
+    p = {**SAMPLING_DEFAULTS, **{k: v for k, v in p.items() if v is not None}}
+    if p["max_new_tokens"] < 0:
+        raise BadRequest(f"{where}: max_new_tokens must be >= 0, got {p['max_new_tokens']}")
+    if p["temperature"] < 0:
+        raise BadRequest(f"{where}: temperature must be >= 0, got {p['temperature']}")
+    if not 0 < p["top_p"] <= 1:
+        raise BadRequest(f"{where}: top_p must be in (0, 1], got {p['top_p']}")
+    if p["top_k"] == 0 or p["top_k"] < -1:
+        raise BadRequest(f"{where}: top_k must be -1 (off) or >= 1, got {p['top_k']}")
+    if not 0 <= p["min_p"] <= 1:
+        raise BadRequest(f"{where}: min_p must be in [0, 1], got {p['min_p']}")
+    if p["n"] != 1:
+        raise BadRequest(f"{where}: n must be 1 (send one request per sample), got {p['n']}")
+    if p["ignore_eos"]:
+        raise BadRequest(f"{where}: ignore_eos is not supported by miles serve")
+    seed = p["sampling_seed"]
+    if seed is not None and not 0 <= seed < 2**63:
+        raise BadRequest(f"{where}: sampling_seed must be in [0, 2**63), got {seed}")
+    stop = p["stop"]
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest(f"{where}: stop must be a non-empty string or a list of them")
+    ids = p["stop_token_ids"] or []
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise BadRequest(f"{where}: stop_token_ids must be a list of integers")
+    return Sampling(
+        max_new_tokens=p["max_new_tokens"],
+        # SGLang: a temperature below 1e-6 is greedy.
+        temperature=float(p["temperature"]),
+        top_p=float(p["top_p"]),
+        top_k=p["top_k"],
+        min_p=float(p["min_p"]),
+        stop=stops,
+        stop_token_ids=tuple(ids),
+        skip_special_tokens=p["skip_special_tokens"],
+        spaces_between_special_tokens=p["spaces_between_special_tokens"],
+        no_stop_trim=p["no_stop_trim"],
+        seed=seed,
+    )
+
+
+def parse_generate(body: Any, new_rid: Any) -> GenerateCall:
+    """A /generate body as prompts to run; `new_rid()` names a request that brings no rid."""
+    b = check_fields(body, GENERATE_FIELDS, "/generate", GENERATE_UNSUPPORTED)
+    text, ids = b.get("text"), b.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("/generate: give exactly one of 'text' and 'input_ids'")
+    if ids is not None:
+        batch = bool(ids) and isinstance(ids[0], list)
+        prompts: list[Any] = ids if batch else [ids]
+        for i, prompt in enumerate(prompts):
+            if not prompt or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt
+            ):
+                raise BadRequest(f"/generate: input_ids[{i}] must be a non-empty list of integers")
+    else:
+        batch = isinstance(text, list)
+        prompts = list(text) if isinstance(text, list) else [text]
+        if not all(isinstance(t, str) and t for t in prompts):
+            raise BadRequest("/generate: text must be a non-empty string or a list of them")
+    if batch and not prompts:
+        raise BadRequest("/generate: an empty batch")
+    n = len(prompts)
+
+    def per_item(key: str, default: Any) -> list[Any]:
+        value = b.get(key)
+        if isinstance(value, list) and key != "stop":
+            if len(value) != n:
+                raise BadRequest(f"/generate: {key!r} has {len(value)} entries for {n} prompts")
+            return [default if v is None else v for v in value]
+        return [default if value is None else value] * n
+
+    params = per_item("sampling_params", {})
+    logprob = per_item("return_logprob", False)
+    rids = per_item("rid", None)
+    for key, default in (("logprob_start_len", -1), ("top_logprobs_num", 0)):
+        for value in per_item(key, default):
+            if value != default:
+                raise BadRequest(
+                    f"/generate: {key}={value} is not supported by miles serve (only "
+                    f"{default}: the output tokens' own logprobs)"
+                )
+    if batch and isinstance(b.get("rid"), str):  # SGLang: a prefix for the batch's ids
+        rids = [f"{b['rid']}_{i}" for i in range(n)]
+    items = [
+        GenerateItem(
+            rid=str(rids[i]) if rids[i] is not None else str(new_rid()),
+            sampling=parse_sampling(params[i], f"/generate sampling_params[{i}]"),
+            input_ids=list(prompts[i]) if ids is not None else None,
+            text=prompts[i] if text is not None else None,
+            return_logprob=bool(logprob[i]),
+            return_text_in_logprobs=bool(b.get("return_text_in_logprobs", False)),
+            return_routed_experts=bool(b.get("return_routed_experts", False)),
+        )
+        for i in range(n)
+    ]
+    stream = bool(b.get("stream", False))
+    if stream and batch:
+        raise BadRequest("/generate: stream takes one prompt, not a batch")
+    return GenerateCall(items=items, batch=batch, stream=stream)
+
+
+def finish_reason(kind: str, matched: int | str | None, max_new_tokens: int) -> dict[str, Any]:
+    """SGLang's finish_reason object."""
+    if kind == "stop":
+        return {"type": "stop", "matched": matched}
+    if kind == "length":
+        return {"type": "length", "length": max_new_tokens}
+    return {"type": "abort", "message": "aborted", "status_code": 200}
+
+
+def encode_routed_experts(flat_int32_bytes: bytes) -> str:
+    return base64.b64encode(flat_int32_bytes).decode("ascii")
+
+
+def error_body(message: str) -> dict[str, Any]:
+    """SGLang's error object."""
+    return {"error": {"message": message}}

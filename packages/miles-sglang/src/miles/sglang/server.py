@@ -1,0 +1,520 @@
+"""`miles serve`'s HTTP application: SGLang's native endpoints over Miles' torch engine.
+
+Starlette/FastAPI routes, each a thin shell: the body is checked against the protocol's field
+lists (`protocol.py`: a 400 with SGLang's error object for malformed JSON, unknown fields, wrong
+types, bad values), the work goes to the `EngineHost` (generation) or to the engine itself
+(weights, memory), blocking calls on worker threads so the event loop keeps serving `/health`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from importlib.metadata import version as package_version
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from miles.core.types import SamplingParams
+from miles.sglang import protocol as wire
+from miles.sglang.host import EngineHost, Finished, NotServing, QueueFull
+from miles.sglang.protocol import BadRequest, GenerateItem
+from miles.sglang.weights import UpdateGroup, check_update, safetensors_weights
+
+# The SGLang release whose protocol this server follows (what /get_server_info reports).
+SGLANG_PROTOCOL = "0.5"
+GREEDY_BELOW = 1e-6  # SGLang: a temperature below this samples greedily
+
+
+@dataclass
+class ServeSettings:
+    model_path: str
+    max_batch_size: int = 64
+    max_queue: int = 1024
+    api_key: str | None = None
+    max_context: int | None = None  # None: the model config's max_position_embeddings
+    record_routing: bool = False  # the engine records MoE routes (return_routed_experts)
+
+
+@dataclass
+class _State:
+    engine: Any
+    host: EngineHost
+    settings: ServeSettings
+    tokenizer: Any
+    max_context: int
+    version_label: str = "default"
+    groups: dict[str, UpdateGroup] = field(default_factory=dict)
+    released: bool = False
+    started: float = field(default_factory=time.time)
+
+
+def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
+    """The ASGI app serving `engine` (a `TorchRolloutEngine`, loaded)."""
+    config = engine.model.config
+    max_context = settings.max_context or int(
+        getattr(config, "max_position_embeddings", 0) or 1 << 20
+    )
+    state = _State(
+        engine=engine,
+        host=EngineHost(engine, settings.max_batch_size, settings.max_queue),
+        settings=settings,
+        tokenizer=engine.tokenizer,
+        max_context=max_context,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        state.host.close()  # graceful: uvicorn has stopped taking requests and drained them
+        for group in state.groups.values():
+            group.close()
+        print("miles serve: shut down", file=sys.stderr, flush=True)
+
+    app = FastAPI(
+        title="miles serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
+    app.state.miles = state
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Callable[..., Awaitable[Any]]) -> Any:
+        key = settings.api_key
+        if key and request.url.path not in ("/health",):
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not secrets.compare_digest(given, key):
+                return _error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        return await call_next(request)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(NotServing)
+    async def not_serving(_: Request, exc: NotServing) -> JSONResponse:
+        return _error(503, str(exc))
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, exc: QueueFull) -> JSONResponse:
+        return _error(503, str(exc))
+
+    # -- generation ----------------------------------------------------------------------------
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        call = wire.parse_generate(await _body(request), _new_rid)
+        if not settings.record_routing and any(i.return_routed_experts for i in call.items):
+            raise BadRequest(
+                "return_routed_experts: this server records no routes (start miles serve with "
+                "--record-routing, on a MoE model)"
+            )
+        _check_serving(state)
+        prompts = [_prompt_ids(state, item) for item in call.items]
+        waits = [_submit(state, item, ids) for item, ids in zip(call.items, prompts, strict=True)]
+        if call.stream:
+            return StreamingResponse(
+                _stream(state, call.items[0], waits[0]), media_type="text/event-stream"
+            )
+        done = await asyncio.gather(*waits)
+        answers = [_answer(state, item, f) for item, f in zip(call.items, done, strict=True)]
+        return JSONResponse(answers if call.batch else answers[0])
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = bool(state.engine.health().get("ok", True))
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if state.host.paused or state.released:
+            return _error(503, "paused or memory released: not generating")
+        item = GenerateItem(rid=_new_rid(), sampling=wire.Sampling(max_new_tokens=1))
+        first = int(state.tokenizer.bos_token_id or state.tokenizer.eos_token_id or 0)
+        try:
+            finished = await asyncio.wait_for(_submit(state, item, [first]), timeout=60)
+        except (TimeoutError, NotServing, QueueFull) as exc:
+            return _error(503, f"the engine did not generate: {exc}")
+        return Response(status_code=200 if finished.error is None else 503)
+
+    # -- information ---------------------------------------------------------------------------
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info() -> JSONResponse:
+        return JSONResponse(
+            {
+                "model_path": settings.model_path,
+                "tokenizer_path": settings.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": state.version_label,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(engine.model.config, "model_type", None),
+                "architectures": getattr(engine.model.config, "architectures", None),
+            }
+        )
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info() -> JSONResponse:
+        health = state.engine.health()
+        return JSONResponse(
+            {
+                "version": SGLANG_PROTOCOL,
+                "served_by": "miles serve",
+                "miles_sglang_version": package_version("miles-sglang"),
+                "model_path": settings.model_path,
+                "engine_path": getattr(engine, "path", None),
+                "device": str(getattr(engine, "device", "")),
+                "dtype": health.get("dtype"),
+                "max_batch_size": settings.max_batch_size,
+                "max_queue": settings.max_queue,
+                "context_length": state.max_context,
+                "weight_version": state.version_label,
+                "paused": state.host.paused,
+                "memory_released": state.released,
+                "uptime_s": time.time() - state.started,
+            }
+        )
+
+    @app.get("/get_weight_version")
+    @app.get("/weight_version")
+    async def weight_version() -> JSONResponse:
+        return JSONResponse({"weight_version": state.version_label})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = wire.check_fields(
+            await _body(request), wire.WEIGHT_VERSION_FIELDS, "/update_weight_version",
+            required=("new_version",),
+        )  # fmt: skip
+        if body.get("abort_all_requests"):
+            await run_in_threadpool(state.host.abort, None, True)
+        state.version_label = body["new_version"]
+        return _ok(f"weight version is {state.version_label!r}")
+
+    # -- control -------------------------------------------------------------------------------
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> JSONResponse:
+        raw = await request.body()
+        body = wire.check_fields(
+            _json(raw) if raw.strip() else {}, wire.PAUSE_FIELDS, "/pause_generation"
+        )
+        mode = body.get("mode", "abort")
+        if mode not in wire.PAUSE_MODES:
+            raise BadRequest(
+                f"/pause_generation: mode must be one of {wire.PAUSE_MODES}, got {mode!r}"
+            )
+        await run_in_threadpool(state.host.pause, mode)
+        return _ok(f"paused ({mode})")
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> JSONResponse:
+        await run_in_threadpool(state.host.resume)
+        return _ok("generation continues")
+
+    @app.post("/flush_cache")
+    @app.get("/flush_cache")
+    async def flush_cache() -> Response:
+        if state.host.busy:
+            return _error(400, "requests are running: the cache is flushed only when idle; retry")
+        return Response("Cache flushed.\n", status_code=200)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> JSONResponse:
+        body = wire.check_fields(await _body(request), wire.ABORT_FIELDS, "/abort_request")
+        if not body.get("abort_all") and not body.get("rid"):
+            raise BadRequest("/abort_request: give 'rid' or 'abort_all': true")
+        count = await run_in_threadpool(
+            state.host.abort, body.get("rid"), bool(body.get("abort_all"))
+        )
+        return _ok(f"aborted {count} request(s)")
+
+    @app.post("/release_memory_occupation")
+    async def release_memory(request: Request) -> JSONResponse:
+        raw = await request.body()
+        body = wire.check_fields(
+            _json(raw) if raw.strip() else {}, wire.MEMORY_FIELDS, "/release_memory_occupation"
+        )
+        _check_tags(body.get("tags"))
+        if state.host.busy:
+            raise BadRequest(
+                "release_memory_occupation needs an idle engine: pause and drain first"
+            )
+        await run_in_threadpool(state.engine.release_memory)
+        state.released = True
+        return _ok("memory released")
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory(request: Request) -> JSONResponse:
+        raw = await request.body()
+        body = wire.check_fields(
+            _json(raw) if raw.strip() else {}, wire.MEMORY_FIELDS, "/resume_memory_occupation"
+        )
+        _check_tags(body.get("tags"))
+        await run_in_threadpool(state.engine.resume_memory)
+        state.released = False
+        return _ok("memory resumed")
+
+    # -- weights -------------------------------------------------------------------------------
+
+    @app.post("/init_weights_update_group")
+    async def init_group(request: Request) -> JSONResponse:
+        body = wire.check_fields(
+            await _body(request), wire.INIT_GROUP_FIELDS, "/init_weights_update_group",
+            required=("master_address", "master_port", "rank_offset", "world_size"),
+        )  # fmt: skip
+        name = body.get("group_name", "weight_update_group")
+        if name in state.groups:
+            raise BadRequest(f"weight-update group {name!r} exists: destroy it first")
+        try:
+            group = await run_in_threadpool(
+                UpdateGroup,
+                name,
+                body["master_address"],
+                body["master_port"],
+                body["rank_offset"],
+                body["world_size"],
+                body.get("backend", "nccl"),
+                engine.device,
+            )
+        except BadRequest:
+            raise
+        except Exception as exc:
+            return _fail(f"joining weight-update group {name!r} failed: {exc}")
+        state.groups[name] = group
+        return _ok(f"joined weight-update group {name!r} as rank {body['rank_offset']}")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(request: Request) -> JSONResponse:
+        body = wire.check_fields(
+            await _body(request), wire.DESTROY_GROUP_FIELDS, "/destroy_weights_update_group"
+        )
+        name = body.get("group_name", "weight_update_group")
+        group = state.groups.pop(name, None)
+        if group is None:
+            raise BadRequest(f"no weight-update group {name!r}")
+        await run_in_threadpool(group.close)
+        return _ok(f"left weight-update group {name!r}")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_from_distributed(request: Request) -> JSONResponse:
+        body = wire.check_fields(
+            await _body(request), wire.UPDATE_DISTRIBUTED_FIELDS, "/update_weights_from_distributed",
+            required=("names", "dtypes", "shapes"),
+        )  # fmt: skip
+        check_update(body["names"], body["dtypes"], body["shapes"])
+        name = body.get("group_name", "weight_update_group")
+        group = state.groups.get(name)
+        if group is None:
+            raise BadRequest(
+                f"no weight-update group {name!r}: POST /init_weights_update_group first"
+            )
+        load_format = body.get("load_format")
+        if load_format not in (None, "flattened_bucket"):
+            raise BadRequest(f"load_format must be null or 'flattened_bucket', got {load_format!r}")
+        if body.get("abort_all_requests"):
+            await run_in_threadpool(state.host.abort, None, True)
+
+        def receive_and_load() -> None:
+            tensors = group.receive(
+                body["names"], body["dtypes"], body["shapes"], load_format == "flattened_bucket"
+            )
+            _load(state, tensors)
+
+        try:
+            await run_in_threadpool(receive_and_load)
+        except BadRequest:
+            raise
+        except Exception as exc:
+            return _fail(f"update_weights_from_distributed failed: {exc}")
+        _new_label(state, body.get("weight_version"))
+        return _ok(f"loaded {len(body['names'])} tensor(s)")
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(request: Request) -> JSONResponse:
+        body = wire.check_fields(
+            await _body(request), wire.UPDATE_DISK_FIELDS, "/update_weights_from_disk",
+            required=("model_path",),
+        )  # fmt: skip
+        if body.get("abort_all_requests"):
+            await run_in_threadpool(state.host.abort, None, True)
+        try:
+            await run_in_threadpool(lambda: _load(state, safetensors_weights(body["model_path"])))
+        except BadRequest:
+            raise
+        except Exception as exc:
+            return _fail(f"update_weights_from_disk failed: {exc}")
+        _new_label(state, body.get("weight_version"))
+        return _ok(f"loaded weights from {body['model_path']}")
+
+    @app.post("/update_weights_from_tensor")
+    async def update_from_tensor(request: Request) -> JSONResponse:
+        wire.check_fields(
+            await _body(request), wire.UPDATE_TENSOR_FIELDS, "/update_weights_from_tensor"
+        )
+        raise BadRequest(
+            "update_weights_from_tensor (CUDA IPC handles from a colocated trainer) is not "
+            "implemented by miles serve yet; use update_weights_from_distributed"
+        )
+
+    return app
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _new_rid() -> str:
+    return secrets.token_hex(8)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(wire.error_body(message), status_code=status)
+
+
+def _ok(message: str) -> JSONResponse:
+    return JSONResponse({"success": True, "message": message})
+
+
+def _fail(message: str) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=400)
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+
+
+async def _body(request: Request) -> Any:
+    return _json(await request.body())
+
+
+def _check_tags(tags: Any) -> None:
+    for tag in tags or ():
+        if tag not in wire.MEMORY_TAGS:
+            raise BadRequest(f"unknown memory tag {tag!r} (tags: {', '.join(wire.MEMORY_TAGS)})")
+
+
+def _check_serving(state: _State) -> None:
+    if state.released:
+        raise NotServing("memory is released: POST /resume_memory_occupation first")
+    if state.host.paused:
+        raise NotServing("generation is paused: POST /continue_generation first")
+
+
+def _prompt_ids(state: _State, item: GenerateItem) -> list[int]:
+    ids = item.input_ids
+    if ids is None:
+        ids = list(state.tokenizer(item.text)["input_ids"])
+    vocab = int(getattr(state.engine.model.config, "vocab_size", 0) or 0)
+    if vocab and any(not 0 <= t < vocab for t in ids):
+        raise BadRequest(f"request {item.rid}: input_ids must be in [0, {vocab})")
+    total = len(ids) + item.sampling.max_new_tokens
+    if total > state.max_context:
+        raise BadRequest(
+            f"request {item.rid}: {len(ids)} prompt tokens + max_new_tokens "
+            f"{item.sampling.max_new_tokens} = {total} exceeds the context length "
+            f"{state.max_context}"
+        )
+    return ids
+
+
+def _submit(state: _State, item: GenerateItem, prompt_ids: list[int]) -> asyncio.Future[Finished]:
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Finished] = loop.create_future()
+
+    def settle(finished: Finished) -> None:
+        if not future.done():  # the client may have gone
+            future.set_result(finished)
+
+    def deliver(finished: Finished) -> None:
+        loop.call_soon_threadsafe(settle, finished)
+
+    s = item.sampling
+    stop_ids = s.stop_token_ids
+    sampling = SamplingParams(
+        temperature=0.0 if s.temperature < GREEDY_BELOW else s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        max_new_tokens=s.max_new_tokens,
+        stop_token_ids=stop_ids,
+        stop_strings=s.stop,
+        seed=s.seed,
+    )
+    state.host.submit(item.rid, prompt_ids, sampling, deliver)
+    return future
+
+
+def _answer(state: _State, item: GenerateItem, done: Finished) -> dict[str, Any]:
+    """SGLang's /generate response object for one finished prompt."""
+    tok, s = state.tokenizer, item.sampling
+    text = tok.decode(
+        done.response_ids,
+        skip_special_tokens=s.skip_special_tokens,
+        spaces_between_special_tokens=s.spaces_between_special_tokens,
+    )
+    matched: int | str | None = None
+    if done.finish_reason == "stop":
+        last = done.response_ids[-1] if done.response_ids else None
+        hit = next((x for x in s.stop if x in text), None)
+        if hit is not None and last not in s.stop_token_ids:
+            matched = hit
+            if not s.no_stop_trim:  # SGLang cuts a matched stop string from the text
+                text = text[: text.find(hit)]
+        else:
+            matched = last
+    meta: dict[str, Any] = {
+        "id": done.rid,
+        "finish_reason": wire.finish_reason(done.finish_reason, matched, s.max_new_tokens),
+        "prompt_tokens": len(done.prompt_ids),
+        "completion_tokens": len(done.response_ids),
+        "cached_tokens": done.cached_tokens,
+        "weight_version": state.version_label,
+        "e2e_latency": time.perf_counter() - done.started,
+    }
+    if done.error is not None:
+        meta["finish_reason"]["message"] = f"the engine failed: {done.error}"
+    if item.return_logprob:
+        meta["output_token_logprobs"] = [
+            [float(lp), int(t), tok.decode([t]) if item.return_text_in_logprobs else None]
+            for lp, t in zip(done.logprobs, done.response_ids, strict=True)
+        ]
+    if item.return_routed_experts and done.routing is not None:
+        rows = len(done.prompt_ids) + len(done.response_ids) - 1
+        routes = np.ascontiguousarray(np.asarray(done.routing)[:rows], dtype=np.int32)
+        meta["routed_experts"] = wire.encode_routed_experts(routes.tobytes())
+    return {"text": text, "output_ids": list(done.response_ids), "meta_info": meta}
+
+
+async def _stream(
+    state: _State, item: GenerateItem, wait: asyncio.Future[Finished]
+) -> AsyncIterator[bytes]:
+    """Server-sent events: the engine yields a prompt's tokens when it finishes, so the stream is
+    one event with the whole answer, then `[DONE]` (a client that accumulates chunks reads the
+    same answer as from SGLang)."""
+    done = await wait
+    yield f"data: {json.dumps(_answer(state, item, done))}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+def _load(state: _State, tensors: Any) -> None:
+    """Weights into the engine, under a new internal version (requests record it)."""
+    state.engine.load_weights(tensors, state.engine.weight_version + 1)
+
+
+def _new_label(state: _State, label: str | None) -> None:
+    if label is not None:
+        state.version_label = label

@@ -1,0 +1,102 @@
+"""`miles serve` as a real process on 127.0.0.1, driven over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from miles.core.runtime.process import free_port
+
+
+@dataclass
+class Server:
+    url: str
+    model: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def call(
+        self, path: str, body: Any = None, method: str | None = None, raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, Any]:  # fmt: skip
+        """(status, parsed JSON or text) of one HTTP call."""
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method=method or ("GET" if data is None else "POST"),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                status, text = response.status, response.read().decode()
+        except urllib.error.HTTPError as err:
+            status, text = err.code, err.read().decode()
+        try:
+            return status, json.loads(text)
+        except json.JSONDecodeError:
+            return status, text
+
+
+def start_server(model: str, tmp: Path, *args: str) -> Server:
+    port = free_port()
+    log = tmp / f"serve-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "miles.core.cli", "serve", model, "--port", str(port), *args],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    server = Server(f"http://127.0.0.1:{port}", model, process, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"miles serve exited {process.returncode}:\n{log.read_text()}")
+        try:
+            if server.call("/health")[0] == 200:
+                return server
+        except OSError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"miles serve did not come up:\n{log.read_text()}")
+
+
+def stop_server(server: Server) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from miles.torch.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", vocab_size=128)
+
+
+@pytest.fixture(scope="module")
+def server(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    started = start_server(model, tmp_path_factory.mktemp("serve"))
+    yield started
+    stop_server(started)
+
+
+@pytest.fixture
+def serve_process() -> tuple[Any, Any]:
+    """(start_server, stop_server), for a test that starts its own server."""
+    return start_server, stop_server

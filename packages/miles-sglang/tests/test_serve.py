@@ -1,0 +1,327 @@
+"""`miles serve` over real HTTP: SGLang's /generate and its wire format, bad requests, pause /
+continue / abort, weight updates through a weight-update group and from disk, memory release."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from miles.core.runtime.process import free_port
+from miles.sglang import protocol as wire
+from miles.torch.testing import make_tiny_model
+
+VOCAB = 128
+
+
+def hf_logprobs(model_dir: str, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """Each response token's log_softmax(logits) from transformers' own forward (fp32)."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(input_ids=ids).logits[0].float(), -1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return logp[positions, torch.tensor(response)]
+
+
+def generate(server: Any, prompt: list[int], **extra: Any) -> dict[str, Any]:
+    body = {"input_ids": prompt, "return_logprob": True, **extra}
+    body.setdefault("sampling_params", {"max_new_tokens": 8})
+    status, out = server.call("/generate", body)
+    assert status == 200, out
+    return out
+
+
+def test_generate_logprobs_equal_transformers_and_the_wire_format_is_sglangs(server, model):
+    prompt = [5, 17, 33, 2, 90]
+    out = generate(server, prompt, sampling_params={"max_new_tokens": 12, "temperature": 1.0})
+    assert set(out) == set(wire.RESPONSE_FIELDS)
+    meta = out["meta_info"]
+    assert set(meta) == set(wire.META_INFO_FIELDS) | set(wire.META_INFO_LOGPROB_FIELDS)
+    assert meta["prompt_tokens"] == len(prompt)
+    assert meta["completion_tokens"] == len(out["output_ids"]) > 0
+    assert meta["finish_reason"]["type"] in wire.FINISH_TYPES
+    assert meta["weight_version"] == "default"
+    entries = meta["output_token_logprobs"]
+    assert [e[1] for e in entries] == out["output_ids"]
+    assert all(isinstance(e[0], float) and e[2] is None for e in entries)
+    want = hf_logprobs(model, prompt, out["output_ids"])
+    got = torch.tensor([e[0] for e in entries])
+    assert (got - want).abs().max().item() < 1e-4
+
+
+def test_batches_text_stream_and_stop_reasons(server):
+    status, out = server.call(
+        "/generate",
+        {
+            "input_ids": [[1, 2, 3], [4, 5]],
+            "rid": "batch",
+            "sampling_params": {"max_new_tokens": 3},
+        },
+    )
+    assert status == 200 and [o["meta_info"]["id"] for o in out] == ["batch_0", "batch_1"]
+    for o in out:
+        finish = o["meta_info"]["finish_reason"]
+        assert finish == {"type": "length", "length": 3} or finish["type"] == "stop"
+    # Greedy twice: the same tokens.
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    first, second = (server.call("/generate", body)[1] for _ in range(2))
+    assert first["output_ids"] == second["output_ids"]
+    assert isinstance(first["text"], str)
+    status, text = server.call("/generate", {**body, "stream": True})
+    assert status == 200
+    events = [line for line in text.split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    import json
+
+    streamed = json.loads(events[0].removeprefix("data: "))
+    assert streamed["output_ids"] == first["output_ids"]
+    # A stop token: the answer ends at it, and the finish reason names it.
+    stop = first["output_ids"][2]
+    out = server.call(
+        "/generate",
+        {**body, "sampling_params": {**body["sampling_params"], "stop_token_ids": [stop]}},
+    )[1]
+    assert out["output_ids"][-1] == stop
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b'{"input_ids": [1, 2', "malformed JSON"),
+        (b'{"input_ids": [1, 2], "temprature": 1}', "unknown field 'temprature'"),
+        (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}', "max_new_tokens must be >= 0"),
+        (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2000}}', "exceeds the context length 1024"),
+        (b'{"input_ids": [1, 2], "lora_path": "x"}', "'lora_path' is an SGLang field"),
+        (b'{"input_ids": [1, 999]}', "input_ids must be in [0, 128)"),
+        (b'{"input_ids": [1, 2], "text": "a"}', "exactly one of 'text' and 'input_ids'"),
+        (b'{"input_ids": [1, 2], "return_logprob": "yes"}', "'return_logprob' must be"),
+        (b'[1, 2]', "must be a JSON object"),
+        (b'{"input_ids": [1, 2], "logprob_start_len": 0}', "not supported"),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_a_clear_400_and_the_server_keeps_serving(server, raw, message):
+    status, out = server.call("/generate", raw=raw)
+    assert status == 400, out
+    assert message in out["error"]["message"]
+    assert (
+        server.call("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})[0]
+        == 200
+    )
+
+
+def flushed(server: Any, within_s: float = 10.0) -> bool:
+    """/flush_cache as a client calls it: 400 while requests run, so retried until 200."""
+    deadline = time.monotonic() + within_s
+    while server.call("/flush_cache", {})[0] != 200:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_information_endpoints(server):
+    status, info = server.call("/get_server_info")
+    assert status == 200 and info["served_by"] == "miles serve" and info["version"]
+    assert server.call("/get_model_info")[1]["is_generation"] is True
+    assert server.call("/health_generate")[0] == 200
+    assert server.call("/get_weight_version")[1] == {"weight_version": "default"}
+    assert flushed(server)
+
+
+def _many(server: Any, count: int, max_new_tokens: int) -> list[Any]:
+    """Start `count` long requests on threads; their futures."""
+    assert flushed(server)  # the previous test's engine calls have ended
+    pool = ThreadPoolExecutor(count)
+    body = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0}}
+    futures = [
+        pool.submit(generate, server, [3 + i % 50, 7, 9], rid=f"long-{i}", **body)
+        for i in range(count)
+    ]
+    pool.shutdown(wait=False)
+    return futures
+
+
+def _until_running(server: Any) -> None:
+    deadline = time.monotonic() + 30
+    while server.call("/flush_cache", {})[0] == 200:  # 400 once requests run
+        assert time.monotonic() < deadline, "the requests never started"
+        time.sleep(0.01)
+
+
+def test_pause_abort_answers_running_requests_with_abort(server):
+    futures = _many(server, 24, 900)
+    _until_running(server)
+    status, out = server.call("/pause_generation", {"mode": "abort"})
+    assert status == 200 and out["success"], out
+    results = [f.result(timeout=120) for f in futures]
+    aborted = [r for r in results if r["meta_info"]["finish_reason"]["type"] == "abort"]
+    assert aborted, "no request was running at the pause"
+    for r in aborted:
+        assert len(r["output_ids"]) == len(r["meta_info"]["output_token_logprobs"]) < 900
+    # Paused: new work is refused with 503 until continue.
+    status, out = server.call("/generate", {"input_ids": [1, 2]})
+    assert status == 503 and "continue_generation" in out["error"]["message"]
+    assert server.call("/health_generate")[0] == 503
+    assert server.call("/continue_generation", {})[0] == 200
+    assert (
+        server.call("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})[0]
+        == 200
+    )
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_keeps_running_requests_and_continue_finishes_them(server, model, mode):
+    futures = _many(server, 24, 900)
+    _until_running(server)
+    assert server.call("/pause_generation", {"mode": mode})[0] == 200
+    time.sleep(0.2)
+    held = [f for f in futures if not f.done()]
+    assert held, "every request finished before the pause"
+    assert server.call("/flush_cache", {})[0] == 400  # held requests count as running
+    assert server.call("/continue_generation", {})[0] == 200
+    results = [f.result(timeout=300) for f in futures]
+    assert all(r["meta_info"]["finish_reason"]["type"] != "abort" for r in results)
+    for r in results:  # the two parts joined: one logprob per token, the budget kept
+        entries = r["meta_info"]["output_token_logprobs"]
+        assert [e[1] for e in entries] == r["output_ids"]
+        finish = r["meta_info"]["finish_reason"]
+        assert (
+            len(r["output_ids"]) == 900
+            if finish["type"] == "length"
+            else len(r["output_ids"]) < 900
+        )
+    # The joined logprobs are the model's own (the weights did not change).
+    r = max(results, key=lambda r: len(r["output_ids"]))
+    got = torch.tensor([e[0] for e in r["meta_info"]["output_token_logprobs"]])
+    prompt = [3 + int(r["meta_info"]["id"].split("-")[1]) % 50, 7, 9]
+    assert (got - hf_logprobs(model, prompt, r["output_ids"])).abs().max().item() < 1e-4
+    assert flushed(server)
+
+
+def test_abort_one_request_leaves_the_others_running(server):
+    futures = _many(server, 8, 900)
+    _until_running(server)
+    status, out = server.call("/abort_request", {"rid": "long-3"})
+    assert status == 200, out
+    results = {f.result(timeout=300)["meta_info"]["id"]: f.result() for f in futures}
+    for rid, r in results.items():
+        finish = r["meta_info"]["finish_reason"]["type"]
+        if rid != "long-3":
+            assert finish != "abort", rid
+    assert server.call("/abort_request", {})[0] == 400
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+def _trainer_group(port: int, world: int, name: str) -> Any:
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=timedelta(seconds=60))
+    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), 0, world, timedelta(seconds=60))
+
+
+def _in_thread(fn: Any, *args: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn(*args)))
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_weights_through_the_update_group(server, tmp_path, load_format):
+    new = make_tiny_model(tmp_path / "new", vocab_size=VOCAB, seed=7)
+    weights = dict(AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).state_dict())
+    port, name = free_port(), f"group-{load_format}"
+    init, answer = _in_thread(
+        server.call,
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+         "world_size": 2, "group_name": name, "backend": "gloo"},
+    )  # fmt: skip
+    group = _trainer_group(port, 2, name)
+    init.join(60)
+    assert answer[0][0] == 200 and answer[0][1]["success"], answer
+    names = list(weights)
+    body = {
+        "names": names,
+        "dtypes": ["float32"] * len(names),
+        "shapes": [list(weights[n].shape) for n in names],
+        "group_name": name,
+        "weight_version": f"v-{load_format}",
+        "load_format": load_format,
+    }
+    post, answer = _in_thread(server.call, "/update_weights_from_distributed", body)
+    if load_format == "flattened_bucket":
+        _broadcast(group, torch.cat([weights[n].flatten() for n in names]))
+    else:
+        for n in names:
+            _broadcast(group, weights[n].contiguous())
+    post.join(60)
+    assert answer[0] == (200, {"success": True, "message": f"loaded {len(names)} tensor(s)"})
+    assert server.call("/get_weight_version")[1] == {"weight_version": f"v-{load_format}"}
+    prompt = [4, 8, 15, 16]
+    out = generate(server, prompt)
+    assert out["meta_info"]["weight_version"] == f"v-{load_format}"
+    got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+    assert (got - hf_logprobs(new, prompt, out["output_ids"])).abs().max().item() < 1e-4
+    assert server.call("/destroy_weights_update_group", {"group_name": name})[0] == 200
+    assert server.call("/update_weights_from_distributed", body)[0] == 400  # no group now
+
+
+def test_weights_from_disk_then_back(server, model, tmp_path):
+    other = make_tiny_model(tmp_path / "other", vocab_size=VOCAB, seed=3)
+    status, out = server.call(
+        "/update_weights_from_disk", {"model_path": other, "weight_version": "disk"}
+    )
+    assert status == 200 and out["success"], out
+    prompt = [9, 9, 1]
+    out = generate(server, prompt)
+    got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+    assert (got - hf_logprobs(other, prompt, out["output_ids"])).abs().max().item() < 1e-4
+    status, out = server.call("/update_weights_from_disk", {"model_path": str(tmp_path / "none")})
+    assert status == 400 and "no safetensors" in out["error"]["message"]
+    assert (
+        server.call(
+            "/update_weights_from_disk", {"model_path": model, "weight_version": "default"}
+        )[0]
+        == 200
+    )
+
+
+def test_release_and_resume_memory(server):
+    assert server.call("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})[0] == 200
+    status, out = server.call("/generate", {"input_ids": [1, 2]})
+    assert status == 503 and "resume_memory_occupation" in out["error"]["message"]
+    assert server.call("/release_memory_occupation", {"tags": ["nope"]})[0] == 400
+    assert server.call("/resume_memory_occupation", {})[0] == 200
+    assert (
+        server.call("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})[0]
+        == 200
+    )
+
+
+def test_api_key(model, tmp_path, serve_process):
+    start_server, stop_server = serve_process
+    server = start_server(model, tmp_path, "--api-key", "s3cret")
+    try:
+        status, out = server.call("/get_server_info")
+        assert status == 401 and "API key" in out["error"]["message"]
+        good = {"Authorization": "Bearer s3cret"}
+        assert server.call("/get_server_info", headers=good)[0] == 200
+        assert server.call("/health")[0] == 200  # health stays open for load balancers
+    finally:
+        stop_server(server)
+    # SIGTERM: uvicorn drains, the app shuts down, then the signal ends the process.
+    assert "miles serve: shut down" in Path(server.log).read_text()
