@@ -108,6 +108,7 @@ class RolloutSetup:
     lora: LoRAConfig | None = None  # set with lora.sync: adapters (only adapters arrive)
     sync_timeout_s: float = 600.0
     cpu_threads: int | None = None  # on CPU: this engine's share of the machine's cores
+    index: int = 0  # this engine's place among the run's (an attached backend's server by it)
 
 
 @dataclass

@@ -73,6 +73,10 @@ class EngineHost:
     def __init__(self, engine: Any, max_batch_size: int = 64, max_queue: int = 1024) -> None:
         self.engine = engine
         self.max_batch_size = max_batch_size
+        # Engine calls at once. The paged engine merges concurrent calls into one schedule; the
+        # hf path batches within a call only, so there one call runs and the next takes
+        # everything that queued meanwhile.
+        self._slots = threading.Semaphore(4 if getattr(engine, "path", "hf") == "paged" else 1)
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count()
         self._lock = threading.Condition()
@@ -114,9 +118,12 @@ class EngineHost:
 
     def _batch_loop(self) -> None:
         while not self._closed:
+            if not self._slots.acquire(timeout=0.1):
+                continue
             try:
                 first = self._queue.get(timeout=0.1)
             except queue.Empty:
+                self._slots.release()
                 continue
             jobs = [first]
             time.sleep(0.002)  # let a burst of concurrent requests arrive together
@@ -138,6 +145,7 @@ class EngineHost:
                 stopped = jobs
                 jobs = []
         if not jobs:
+            self._slots.release()
             for job in stopped:
                 job.deliver(self._answer(job, None, "abort"))
             return
@@ -178,6 +186,7 @@ class EngineHost:
             with self._lock:
                 self._workers -= 1
                 self._lock.notify_all()
+            self._slots.release()
 
     def _finish(self, result: GenerateResult) -> None:
         with self._lock:
@@ -252,6 +261,7 @@ class EngineHost:
             self._lock.notify_all()
         if held:
             for start in range(0, len(held), self.max_batch_size):
+                self._slots.acquire()  # released when that engine call ends
                 self._start(held[start : start + self.max_batch_size])
 
     def abort(self, rid: str | None, abort_all: bool) -> int:

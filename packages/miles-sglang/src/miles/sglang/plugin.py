@@ -1,11 +1,62 @@
-"""miles-sglang's plugin module: it adds `miles serve` to the command line."""
+"""miles-sglang's plugin module: `miles serve` on the command line, and rollout backend `sglang`
+(attached to running SGLang or `miles serve` servers)."""
 
 from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable
+from typing import Any
 
 import click
 
 from miles.core import hookimpl
+from miles.core.backends import RolloutSetup
+from miles.core.components import Capability, ComponentSpec, Kind
+from miles.core.config import RunConfig
 from miles.sglang.command import serve
+from miles.sglang.config import SGLangConfig
+
+
+def make_engine(config: SGLangConfig, setup: RolloutSetup) -> Any:
+    from miles.sglang.engine import SGLangEngine
+
+    return SGLangEngine(config, setup)
+
+
+def sglang_run_checks(run: RunConfig, config: SGLangConfig) -> list[str]:
+    """Problems found before launch: where the servers are."""
+    if not config.urls:
+        launch = (
+            "launching SGLang servers from `miles run` is not in this release"
+            if importlib.util.find_spec("sglang") is not None
+            else "to launch SGLang itself, pip install 'miles-sglang[server]' (not in this release)"
+        )
+        return [
+            "rollout.backend sglang attaches to running servers: set rollout.urls to their "
+            "addresses, one per engine (e.g. --set 'rollout.urls=[http://127.0.0.1:30000]' after "
+            f"`miles serve MODEL --port 30000`); {launch}"
+        ]
+    if len(config.urls) != run.rollout.engines:
+        return [
+            f"rollout.urls lists {len(config.urls)} server(s) for rollout.engines="
+            f"{run.rollout.engines}: one server per engine (set rollout.engines={len(config.urls)})"
+        ]
+    return []
+
+
+@hookimpl
+def miles_register_rollout_backends() -> Iterable[ComponentSpec]:
+    return [
+        ComponentSpec(
+            Kind.ROLLOUT_BACKEND,
+            "sglang",
+            make_engine,
+            "SGLang's HTTP protocol: attached SGLang or `miles serve` servers (rollout.urls)",
+            SGLangConfig,
+            capabilities=frozenset({Capability.PARTIAL_ROLLOUT}),
+            check=sglang_run_checks,
+        )
+    ]
 
 
 @hookimpl

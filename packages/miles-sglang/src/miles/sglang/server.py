@@ -358,6 +358,12 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
         _new_label(state, body.get("weight_version"))
         return _ok(f"loaded weights from {body['model_path']}")
 
+    @app.get("/weights_checksum")
+    async def weights_checksum() -> JSONResponse:
+        """Miles' extension: the checksum Miles' trainer compares after a sync (SGLang has none)."""
+        checksum = await run_in_threadpool(state.engine.weights_checksum)
+        return JSONResponse({"checksum": checksum, "weight_version": state.version_label})
+
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(request: Request) -> JSONResponse:
         wire.check_fields(

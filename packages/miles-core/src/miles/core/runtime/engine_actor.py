@@ -50,6 +50,7 @@ class EngineActor:
             lora=lora if lora is not None and lora.sync == "adapters" else None,
             sync_timeout_s=config.fault.request_timeout_s,
             cpu_threads=num_threads,
+            index=index,
         )
         self.engine: RolloutEngine = build_component(
             Kind.ROLLOUT_BACKEND,

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from miles.core.weight_sync import SyncPlan, TensorMeta
 
+GROUP_NAME = "weight_update_group"  # SGLang's default group_name
+
 
 def meta_of(name: str, tensor: torch.Tensor) -> TensorMeta:
     return TensorMeta(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
@@ -40,7 +42,10 @@ class SyncGroup:
             # Inside a Ray GPU actor only its own GPUs are visible: the current one is ours.
             self.device = torch.device("cuda", torch.cuda.current_device())
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)  # type: ignore[attr-defined]
+        tcp = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)  # type: ignore[attr-defined]
+        # Named as SGLang names its weight-update groups (`init_custom_process_group`), so an
+        # SGLang server (or `miles serve`) can join the trainer's group as an engine.
+        store = dist.PrefixStore(GROUP_NAME, tcp)  # type: ignore[attr-defined]
         self._pg: Any
         if self.device.type == "cuda":
             self._pg = dist.ProcessGroupNCCL(

@@ -1,0 +1,100 @@
+"""Rollout backend `sglang` against `miles serve` processes: the quickstart end to end over
+SGLang's HTTP protocol (generation, the weight-update group, verification by checksum)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def miles_run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "miles.core.cli", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def quickstart_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The quickstart recipe's own tiny model (its tokenizer, seed 0), made before the run so a
+    server can load it first."""
+    from miles.recipes import quickstart_task
+
+    model = tmp_path_factory.mktemp("quickstart") / "model"
+    quickstart_task.build_model(model, 0)
+    return str(model)
+
+
+def test_the_quickstart_learns_through_miles_serve(quickstart_model, tmp_path, serve_process):
+    start_server, stop_server = serve_process
+    server = start_server(quickstart_model, tmp_path)
+    try:
+        run = tmp_path / "run"
+        done = miles_run(
+            "quickstart", "--run-dir", str(run),
+            "--set", f"model.path={quickstart_model}",
+            "--set", "rollout.backend=sglang",
+            "--set", f"rollout.urls=[{server.url}]",
+            "--set", "telemetry.progress=false",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        metrics = rows(run / "metrics.jsonl")
+        steps = [m for m in metrics if "rollout/reward_mean" in m]
+        evals = [m["eval/reward_mean"] for m in metrics if "eval/reward_mean" in m]
+        assert len(steps) == 30
+        # The engine behind HTTP samples with the trainer's weights: the same logprobs (fp32).
+        for m in steps:
+            assert m["train/rollout_logprob_abs_diff"] < 1e-4, m
+        # Every sync went through the weight-update group and was verified by checksum.
+        assert [m["weights/version"] for m in steps] == [float(v) for v in range(2, 32)]
+        assert all("perf/sync_verify_s" in m for m in steps)
+        # It learns: the rule (answer the largest number) is found, as with the embedded engine.
+        assert steps[0]["rollout/reward_mean"] < 0.3
+        assert evals[-1] >= 0.6, evals
+        info = server.call("/get_weight_version")[1]
+        assert info == {"weight_version": "31"}
+    finally:
+        stop_server(server)
+
+
+def test_without_servers_the_run_stops_before_launch_and_says_how_to_attach(tmp_path):
+    done = miles_run(
+        "quickstart", "--run-dir", str(tmp_path / "run"), "--set", "rollout.backend=sglang"
+    )
+    assert done.returncode != 0
+    out = done.stdout + done.stderr
+    assert "set rollout.urls" in out and "miles serve" in out, out[-2000:]
+    assert "Traceback" not in out
+    assert not (tmp_path / "run").exists()  # a refused run leaves nothing behind
+
+
+def test_an_older_sglang_is_refused_with_the_version_needed(monkeypatch):
+    from miles.core.backends import RolloutSetup
+    from miles.precision.dtype import fp32
+    from miles.sglang.config import SGLangConfig
+    from miles.sglang.engine import SGLangClient, SGLangEngine, ServerError
+
+    answers = {"/get_server_info": {"version": "0.4.10"}, "/get_weight_version": {}}
+    monkeypatch.setattr(SGLangClient, "call", lambda self, path, body=None, **_: answers[path])
+    setup = RolloutSetup(model_path="m", device="cpu", seed=0, precision=fp32())
+    with pytest.raises(ServerError, match=r"runs SGLang 0\.4\.10; .* needs SGLang >= 0\.5"):
+        SGLangEngine(SGLangConfig(urls=["http://127.0.0.1:1"]), setup)
+    answers["/get_server_info"] = {"version": "0.5.3"}
+    engine = SGLangEngine(SGLangConfig(urls=["http://127.0.0.1:1"]), setup)
+    assert engine.weight_version == 0
+    with pytest.raises(ValueError, match="rollout engine 1 has no server"):
+        SGLangEngine(
+            SGLangConfig(urls=["http://127.0.0.1:1"]),
+            RolloutSetup(model_path="m", device="cpu", seed=0, precision=fp32(), index=1),
+        )
