@@ -83,7 +83,7 @@ def test_an_older_sglang_is_refused_with_the_version_needed(monkeypatch):
     from miles.core.backends import RolloutSetup
     from miles.precision.dtype import fp32
     from miles.sglang.config import SGLangConfig
-    from miles.sglang.engine import SGLangClient, SGLangEngine, ServerError
+    from miles.sglang.engine import ServerError, SGLangClient, SGLangEngine
 
     answers = {"/get_server_info": {"version": "0.4.10"}, "/get_weight_version": {}}
     monkeypatch.setattr(SGLangClient, "call", lambda self, path, body=None, **_: answers[path])
