@@ -325,3 +325,62 @@ def test_api_key(model, tmp_path, serve_process):
         stop_server(server)
     # SIGTERM: uvicorn drains, the app shuts down, then the signal ends the process.
     assert "miles serve: shut down" in Path(server.log).read_text()
+
+
+def test_openai_completions_with_token_ids(server, model):
+    from miles.sglang import openai
+
+    prompt = [11, 12, 13]
+    body = {"prompt": prompt, "max_tokens": 6, "logprobs": 1, "return_token_ids": True}
+    status, out = server.call("/v1/completions", body)
+    assert status == 200, out
+    assert set(out) == set(openai.COMPLETION_RESPONSE_FIELDS) and out["object"] == "text_completion"
+    (choice,) = out["choices"]
+    assert set(openai.COMPLETION_CHOICE_FIELDS) <= set(choice)
+    assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) > 0
+    assert choice["finish_reason"] in ("stop", "length")
+    assert set(out["usage"]) == set(openai.USAGE_FIELDS)
+    assert out["usage"]["completion_tokens"] == len(choice["token_ids"])
+    got = torch.tensor(choice["logprobs"]["token_logprobs"])
+    assert (got - hf_logprobs(model, prompt, choice["token_ids"])).abs().max().item() < 1e-4
+    assert len(choice["logprobs"]["tokens"]) == len(choice["token_ids"])
+
+
+def test_openai_chat_with_input_ids_returns_the_exact_tokens(server, model):
+    from miles.sglang import openai
+
+    ids = [3, 30, 31, 32]
+    body = {
+        "messages": [{"role": "user", "content": "ignored: input_ids are the prompt"}],
+        "input_ids": ids,
+        "max_tokens": 5,
+        "logprobs": True,
+        "return_token_ids": True,
+        "return_meta_info": True,
+    }
+    status, out = server.call("/v1/chat/completions", body)
+    assert status == 200, out
+    (choice,) = out["choices"]
+    assert set(openai.CHAT_CHOICE_FIELDS) <= set(choice) and out["object"] == "chat.completion"
+    assert choice["message"]["role"] == "assistant" and isinstance(
+        choice["message"]["content"], str
+    )
+    assert choice["prompt_token_ids"] == ids
+    meta = choice["meta_info"]
+    assert [e[1] for e in meta["output_token_logprobs"]] == choice["token_ids"]
+    got = torch.tensor([c["logprob"] for c in choice["logprobs"]["content"]])
+    assert (got - hf_logprobs(model, ids, choice["token_ids"])).abs().max().item() < 1e-4
+    # Without input_ids the tokenizer's chat template makes the prompt (transformers' own).
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "say a"}]
+    want = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )["input_ids"]
+    status, out = server.call(
+        "/v1/chat/completions", {"messages": messages, "return_prompt_token_ids": True}
+    )
+    assert status == 200, out
+    assert out["choices"][0]["prompt_token_ids"] == want
+    status, out = server.call("/v1/chat/completions", {**body, "n": 2})
+    assert status == 400 and "n must be 1" in out["error"]["message"]

@@ -14,7 +14,7 @@ import json
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import version as package_version
 from typing import Any
@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from miles.core.types import SamplingParams
+from miles.sglang import openai
 from miles.sglang import protocol as wire
 from miles.sglang.host import EngineHost, Finished, NotServing, QueueFull
 from miles.sglang.protocol import BadRequest, GenerateItem
@@ -98,6 +99,11 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
         return _error(400, str(exc))
 
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        # A bug of ours, not the client's: say what broke, in SGLang's error object.
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
     @app.exception_handler(NotServing)
     async def not_serving(_: Request, exc: NotServing) -> JSONResponse:
         return _error(503, str(exc))
@@ -126,6 +132,40 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
         done = await asyncio.gather(*waits)
         answers = [_answer(state, item, f) for item, f in zip(call.items, done, strict=True)]
         return JSONResponse(answers if call.batch else answers[0])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        body, sampling, prompt = openai.parse_completion(await _body(request))
+        item = GenerateItem(
+            rid=body.get("rid") or _new_rid(),
+            sampling=sampling,
+            input_ids=prompt if isinstance(prompt, list) else None,
+            text=prompt if isinstance(prompt, str) else None,
+            return_logprob=True,
+        )
+        ids, answer = await _generate_one(state, item)
+        response = openai.completion_response(
+            body, _model_name(body, settings), ids, answer, _token_texts(state, answer)
+        )
+        return JSONResponse(response)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        body, sampling = openai.parse_chat(await _body(request))
+        ids = body.get("input_ids") or _chat_prompt(state, body)
+        item = GenerateItem(
+            rid=body.get("rid") or _new_rid(), sampling=sampling, input_ids=ids, return_logprob=True
+        )
+        ids, answer = await _generate_one(state, item)
+        response = openai.chat_response(
+            body, _model_name(body, settings), ids, answer, _token_texts(state, answer)
+        )
+        return JSONResponse(response)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = {"id": settings.model_path, "object": "model", "owned_by": "miles"}
+        return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health")
     async def health() -> Response:
@@ -462,6 +502,41 @@ def _submit(state: _State, item: GenerateItem, prompt_ids: list[int]) -> asyncio
     )
     state.host.submit(item.rid, prompt_ids, sampling, deliver)
     return future
+
+
+async def _generate_one(state: _State, item: GenerateItem) -> tuple[list[int], dict[str, Any]]:
+    """One prompt through the engine: its token ids and its /generate answer."""
+    _check_serving(state)
+    ids = _prompt_ids(state, item)
+    done = await _submit(state, item, ids)
+    return ids, _answer(state, item, done)
+
+
+def _chat_prompt(state: _State, body: dict[str, Any]) -> list[int]:
+    tok = state.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise BadRequest(
+            "/v1/chat/completions: this model's tokenizer has no chat template; send the "
+            "prompt's token ids as input_ids"
+        )
+    ids = tok.apply_chat_template(
+        body["messages"],
+        tools=body.get("tools"),
+        add_generation_prompt=True,
+        tokenize=True,
+        **(body.get("chat_template_kwargs") or {}),
+    )
+    if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def _token_texts(state: _State, answer: dict[str, Any]) -> list[str]:
+    return [state.tokenizer.decode([t]) for t in answer["output_ids"]]
+
+
+def _model_name(body: dict[str, Any], settings: ServeSettings) -> str:
+    return str(body.get("model") or settings.model_path)
 
 
 def _answer(state: _State, item: GenerateItem, done: Finished) -> dict[str, Any]:
