@@ -384,3 +384,23 @@ def test_openai_chat_with_input_ids_returns_the_exact_tokens(server, model):
     assert out["choices"][0]["prompt_token_ids"] == want
     status, out = server.call("/v1/chat/completions", {**body, "n": 2})
     assert status == 400 and "n must be 1" in out["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["nothing-here"], "neither a config file nor a recipe"),
+        (["quickstart", "--set", "steps=abc"], "steps: expected an integer"),
+        (["quickstart", "--max-queue", "0"], "--max-batch-size and --max-queue must be at least 1"),
+    ],
+)
+def test_serve_refuses_bad_arguments_with_a_message(args, message):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "miles.core.cli", "serve", *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]

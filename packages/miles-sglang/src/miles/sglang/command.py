@@ -93,10 +93,14 @@ def _model_path(target: str, overrides: list[str]) -> str:
     path = Path(target)
     if path.is_dir() and (path / "config.json").is_file() and not overrides:
         return str(path)
+    from miles.core.config import ConfigError
     from miles.core.runner import RunRequest, resolve_config
 
     assets = Path(tempfile.mkdtemp(prefix="miles-serve-"))
-    config, _, _ = resolve_config(RunRequest(target, overrides, run_dir=assets))
+    try:
+        config, _, _ = resolve_config(RunRequest(target, overrides, run_dir=assets))
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     if not config.model.path:
         raise click.ClickException(f"{target!r} names no model (set model.path)")
     return str(config.model.path)
