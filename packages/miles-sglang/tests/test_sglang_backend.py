@@ -98,3 +98,48 @@ def test_an_older_sglang_is_refused_with_the_version_needed(monkeypatch):
             SGLangConfig(urls=["http://127.0.0.1:1"]),
             RolloutSetup(model_path="m", device="cpu", seed=0, precision=fp32(), index=1),
         )
+
+
+def test_a_server_killed_mid_run_is_dropped_and_no_sample_is_lost(
+    quickstart_model, tmp_path, serve_process
+):
+    import time
+
+    start_server, stop_server = serve_process
+    servers = [start_server(quickstart_model, tmp_path) for _ in range(2)]
+    run = tmp_path / "run"
+    steps, prompts, samples = 6, 8, 4
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "miles.core.cli", "run", "quickstart", "--run-dir", str(run),
+             "--set", f"model.path={quickstart_model}",
+             "--set", "rollout.backend=sglang",
+             "--set", f"rollout.urls=[{servers[0].url}, {servers[1].url}]",
+             "--set", "rollout.engines=2",
+             "--set", f"steps={steps}", "--set", "warmstart.steps=5",
+             "--set", f"rollout.prompts_per_step={prompts}",
+             "--set", f"rollout.samples_per_prompt={samples}",
+             "--set", "fault.backoff_s=0.1", "--set", "fault.max_engine_restarts=1",
+             "--set", "eval.data=null", "--set", "telemetry.progress=false"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 600
+        while not (run / "metrics.jsonl").is_file() or not rows(run / "metrics.jsonl"):
+            assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        servers[1].process.kill()  # mid-run: after the first step, before the last
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-4000:]
+    finally:
+        for server in servers:
+            stop_server(server)
+    metrics = rows(run / "metrics.jsonl")
+    assert len([m for m in metrics if "rollout/reward_mean" in m]) == steps
+    failed = [e for e in rows(run / "events.jsonl") if e.get("fault") == "engine_failed"]
+    assert failed and all(e["engine"] == 1 for e in failed), failed
+    # As the fault tests count them: every sample recorded once, none lost, all trained.
+    ledger = rows(run / "samples.jsonl")
+    ids = [r["sample_id"] for r in ledger]
+    assert len(ids) == len(set(ids)) and sorted(ids) == list(range(len(ids)))
+    assert len([r for r in ledger if r["fate"] == "trained"]) == steps * prompts * samples
