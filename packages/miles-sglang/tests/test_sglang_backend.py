@@ -143,3 +143,63 @@ def test_a_server_killed_mid_run_is_dropped_and_no_sample_is_lost(
     ids = [r["sample_id"] for r in ledger]
     assert len(ids) == len(set(ids)) and sorted(ids) == list(range(len(ids)))
     assert len([r for r in ledger if r["fate"] == "trained"]) == steps * prompts * samples
+
+
+def test_routing_replay_from_the_servers_routed_experts(tmp_path, serve_process):
+    from miles.recipes import quickstart_task
+
+    model = tmp_path / "moe"
+    quickstart_task.build_model(model, 0, family="qwen3_moe")
+    start_server, stop_server = serve_process
+    server = start_server(str(model), tmp_path, "--record-routing")
+    try:
+        run = tmp_path / "run"
+        done = miles_run(
+            "quickstart-moe", "--run-dir", str(run),
+            "--set", f"model.path={model}",
+            "--set", "rollout.backend=sglang",
+            "--set", f"rollout.urls=[{server.url}]",
+            "--set", "steps=3", "--set", "warmstart.steps=5",
+            "--set", "rollout.prompts_per_step=8", "--set", "eval.data=null",
+            "--set", "telemetry.progress=false",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    finally:
+        stop_server(server)
+    steps = [m for m in rows(run / "metrics.jsonl") if "rollout/reward_mean" in m]
+    assert len(steps) == 3
+    for m in steps:  # the trainer routed every token through the experts the server chose
+        assert m["moe/replayed_match"] == 1.0, m
+        assert m["train/rollout_logprob_abs_diff"] < 1e-4, m
+
+
+def test_routing_replay_needs_a_server_that_returns_routes(tmp_path, serve_process):
+    from miles.recipes import quickstart_task
+
+    model = tmp_path / "moe"
+    quickstart_task.build_model(model, 0, family="qwen3_moe")
+    start_server, stop_server = serve_process
+    server = start_server(str(model), tmp_path)  # no --record-routing
+    try:
+        done = miles_run(
+            "quickstart-moe", "--run-dir", str(tmp_path / "run"),
+            "--set", f"model.path={model}", "--set", "rollout.backend=sglang",
+            "--set", f"rollout.urls=[{server.url}]", "--set", "steps=1",
+            "--set", "warmstart.steps=0", "--set", "telemetry.progress=false",
+        )  # fmt: skip
+    finally:
+        stop_server(server)
+    assert done.returncode != 0
+    out = done.stdout + done.stderr
+    assert "miles serve --record-routing" in out and "Traceback" not in out, out[-2000:]
+    assert not (tmp_path / "run").exists()  # stopped before launch
+
+
+def test_a_server_that_does_not_answer_stops_the_run_before_launch(tmp_path):
+    done = miles_run(
+        "quickstart", "--run-dir", str(tmp_path / "run"), "--set", "rollout.backend=sglang",
+        "--set", "rollout.urls=[http://127.0.0.1:9]",
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "Traceback" not in out
+    assert "rollout server http://127.0.0.1:9 does not answer" in out, out[-2000:]

@@ -15,13 +15,19 @@ over SGLang's HTTP protocol. The run's engine k attaches to `rollout.urls[k]`.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from miles.core.backends import RolloutSetup
 from miles.core.types import GenerateRequest, GenerateResult
@@ -95,13 +101,10 @@ class SGLangEngine:
             config.urls[setup.index], config.api_key, config.request_timeout_s
         )
         self.info = self.client.call("/get_server_info")
-        version = str(self.info.get("version", ""))
-        if _release(version) < _release(MIN_SGLANG):
-            raise ServerError(
-                f"{self.client.url} runs SGLang {version or '(no version given)'}; rollout "
-                f"backend sglang needs SGLang >= {MIN_SGLANG} (pause modes, flattened-bucket "
-                "weight updates, weight versions)"
-            )
+        self._routes = _RouteShape.of(setup) if setup.record_routing != "off" else None
+        problems = _info_problems(self.client.url, self.info, self._routes is not None)
+        if problems:
+            raise ServerError("; ".join(problems))
         self._pool = ThreadPoolExecutor(config.max_in_flight, thread_name_prefix="sglang")
         self._paused = False
         self._version = _version_number(self.client.call("/get_weight_version"))
@@ -144,16 +147,24 @@ class SGLangEngine:
                 "sampling_seed": s.seed,
             },
             "return_logprob": True,
+            "return_routed_experts": self._routes is not None,
         }
         out = self.client.call("/generate", body)
         meta = out["meta_info"]
         entries = meta.get("output_token_logprobs") or []
+        response = [int(t) for t in out["output_ids"]]
+        routing = None
+        if self._routes is not None and meta.get("routed_experts"):
+            routing = self._routes.decode(
+                meta["routed_experts"], len(request.prompt_ids) + len(response)
+            )
         return GenerateResult(
             request_id=request.request_id,
-            response_ids=[int(t) for t in out["output_ids"]],
+            response_ids=response,
             logprobs=[float(e[0]) for e in entries],
             finish_reason=str(meta["finish_reason"]["type"]),
             weight_version=_version_number(meta),
+            routing=routing,
             cached_tokens=int(meta.get("cached_tokens", 0)),
         )
 
@@ -244,6 +255,36 @@ class SGLangEngine:
             ) from None
 
 
+def server_problems(url: str, api_key: str | None, routes: bool) -> list[str]:
+    """What keeps the server at `url` from serving a run, checked before launch."""
+    try:
+        info = SGLangClient(url, api_key, timeout_s=10).call("/get_server_info")
+    except ServerError as exc:
+        return [
+            f"rollout server {url} does not answer ({exc}): start it (`miles serve MODEL "
+            "--port PORT`, or SGLang) or fix rollout.urls"
+        ]
+    return _info_problems(url, info, routes)
+
+
+def _info_problems(url: str, info: dict[str, Any], routes: bool) -> list[str]:
+    problems = []
+    version = str(info.get("version", ""))
+    if _release(version) < _release(MIN_SGLANG):
+        problems.append(
+            f"{url} runs SGLang {version or '(no version given)'}; rollout backend sglang needs "
+            f"SGLang >= {MIN_SGLANG} (pause modes, flattened-bucket weight updates, weight "
+            "versions)"
+        )
+    if routes and not info.get("enable_return_routed_experts"):
+        problems.append(
+            f"{url} does not return routed experts, which routing replay needs: start it with "
+            "`miles serve --record-routing` (SGLang: --enable-return-routed-experts), or set "
+            "moe.routing_replay: off"
+        )
+    return problems
+
+
 def _version_number(meta: dict[str, Any]) -> int:
     """The weight version label as Miles' integer version ("default", before any sync: 0)."""
     label = str(meta.get("weight_version", "default"))
@@ -259,3 +300,36 @@ def _release(version: str) -> tuple[int, ...]:
             break
         parts.append(int(digits))
     return tuple(parts)
+
+
+@dataclass(frozen=True)
+class _RouteShape:
+    """How SGLang's `routed_experts` (base64 int32, one row per token fed through the model:
+    prompt + completion - 1) becomes Miles' routing record ([tokens, moe_layers, top_k], the last
+    sampled token's row -1, the smallest integer dtype that holds the experts)."""
+
+    top_k: int
+    dtype: np.dtype[Any]
+
+    @classmethod
+    def of(cls, setup: RolloutSetup) -> _RouteShape:
+        if setup.record_routing != "ids":
+            raise ValueError(
+                f"rollout backend sglang records expert ids only (moe.routing_replay gives "
+                f"record_routing={setup.record_routing!r})"
+            )
+        config = json.loads((Path(setup.model_path) / "config.json").read_text())
+        config = config.get("text_config", config)
+        experts = next(
+            (int(config[k]) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+             if config.get(k)),
+            2**31 - 1,
+        )  # fmt: skip
+        return cls(int(config["num_experts_per_tok"]), np.dtype(np.min_scalar_type(-experts)))
+
+    def decode(self, encoded: str, tokens: int) -> npt.NDArray[np.integer[Any]]:
+        fed = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+        rows = fed.reshape(tokens - 1, -1, self.top_k)
+        record = np.full((tokens, *rows.shape[1:]), -1, dtype=self.dtype)
+        record[: tokens - 1] = rows
+        return record

@@ -41,7 +41,10 @@ def sglang_run_checks(run: RunConfig, config: SGLangConfig) -> list[str]:
             f"rollout.urls lists {len(config.urls)} server(s) for rollout.engines="
             f"{run.rollout.engines}: one server per engine (set rollout.engines={len(config.urls)})"
         ]
-    return []
+    from miles.sglang.engine import server_problems
+
+    replay = run.moe.routing_replay != "off"
+    return [p for url in config.urls for p in server_problems(url, config.api_key, replay)]
 
 
 @hookimpl
@@ -53,7 +56,7 @@ def miles_register_rollout_backends() -> Iterable[ComponentSpec]:
             make_engine,
             "SGLang's HTTP protocol: attached SGLang or `miles serve` servers (rollout.urls)",
             SGLangConfig,
-            capabilities=frozenset({Capability.PARTIAL_ROLLOUT}),
+            capabilities=frozenset({Capability.PARTIAL_ROLLOUT, Capability.ROUTING_RECORD}),
             check=sglang_run_checks,
         )
     ]

@@ -220,6 +220,8 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
                 "max_queue": settings.max_queue,
                 "context_length": state.max_context,
                 "weight_version": state.version_label,
+                # SGLang's server argument of the same meaning.
+                "enable_return_routed_experts": settings.record_routing,
                 "paused": state.host.paused,
                 "memory_released": state.released,
                 "uptime_s": time.time() - state.started,
