@@ -66,7 +66,7 @@ class _Job:
     # Tokens made before a retraction; the next engine call continues after them.
     done_ids: list[int] = field(default_factory=list)
     done_logprobs: list[float] = field(default_factory=list)
-    first_routing: Any = None
+    routing_so_far: Any = None  # the last part's record: prompt and every token before it
 
 
 class EngineHost:
@@ -111,10 +111,6 @@ class EngineHost:
         with self._lock:
             running = self._workers or self._running or self._held or self._starting
             return bool(running) or not self._queue.empty()
-
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self._running) + len(self._held) + self._starting + self._queue.qsize()
 
     def _batch_loop(self) -> None:
         while not self._closed:
@@ -194,8 +190,8 @@ class EngineHost:
             if result.finish_reason == "abort" and job.rid not in self._drop and self._keep_stopped:
                 job.done_ids += result.response_ids
                 job.done_logprobs += result.logprobs
-                if job.first_routing is None:
-                    job.first_routing = result.routing
+                if result.routing is not None:
+                    job.routing_so_far = result.routing
                 self._held.append(job)
                 return
             self._drop.discard(job.rid)
@@ -216,7 +212,7 @@ class EngineHost:
             finish_reason=reason,
             weight_version=version,
             # A resumed part's record covers prompt + earlier tokens + its own: the whole.
-            routing=result.routing if result is not None else job.first_routing,
+            routing=result.routing if result is not None else job.routing_so_far,
             cached_tokens=result.cached_tokens if result else 0,
             started=job.started,
             error=error,
