@@ -111,7 +111,11 @@ def test_set_reaches_the_option_of_a_component_given_by_name() -> None:
 def test_frontier_recipe_says_which_backend_to_install(tmp_path: Path) -> None:
     proc = run_miles("run", "glm-5-grpo", "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 2
-    assert "miles-megatron" in proc.stderr and "miles-sglang" in proc.stderr
+    # The train backend's package is named; the installed sglang backend says what it lacks
+    # for this recipe (fp8 rollouts), before launch.
+    assert "miles-megatron" in proc.stderr, proc.stderr
+    assert "rollout_backend 'sglang' cannot (quantized_rollout" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_user_family_and_recipe_from_a_plugin(tmp_path: Path) -> None:

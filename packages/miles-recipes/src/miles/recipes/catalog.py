@@ -23,7 +23,7 @@ PROVIDERS = {
         "miles-megatron (its train backend is not in this release yet; what it holds today: "
         "docs/megatron.md)"
     ),
-    "sglang": "the miles-sglang package (SGLang rollout; not in this release yet)",
+    "sglang": "the miles-sglang package (SGLang rollout: running servers attached by rollout.urls)",
 }
 
 
