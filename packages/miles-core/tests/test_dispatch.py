@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError
 
+from miles.core.backends import EngineUnavailable
 from miles.core.runtime.dispatch import EngineDispatcher, Route, Routes
 from miles.core.runtime.engine_pool import EngineFailedError
 
@@ -49,15 +50,21 @@ def test_requests_of_one_tick_go_out_together_split_over_the_engines() -> None:
     asyncio.run(main())
 
 
-def test_a_dead_engine_is_reported_once_and_its_requests_finish_elsewhere() -> None:
+@pytest.mark.parametrize(
+    "death",
+    # The actor died, or the engine lost what it runs on (e.g. an attached server).
+    [ActorDiedError(), EngineUnavailable("http://127.0.0.1:1/generate: connection refused")],
+    ids=["ActorDiedError", "EngineUnavailable"],
+)
+def test_a_dead_engine_is_reported_once_and_its_requests_finish_elsewhere(death) -> None:
     async def main() -> None:
         s = Setup(2)
-        s.engines[0].fail, s.engines[0].after = ActorDiedError(), 1  # one result, then death
+        s.engines[0].fail, s.engines[0].after = death, 1  # one result, then death
         results = await s.dispatcher.generate([request(i) for i in range(6)])
         assert [r.request_id for r in results] == list(range(6))
         assert all(r.finish_reason == "length" for r in results)
         assert [(i, g) for i, g, _ in s.failures] == [(0, 0)]
-        assert "ActorDiedError" in s.failures[0][2]
+        assert type(death).__name__ in s.failures[0][2]
         assert s.dispatcher.requeued == 2  # engine 0 had 3 requests and finished one
         assert [r.index for r in s.dispatcher.ready()] == [1]  # skipped until the group says
 

@@ -121,6 +121,12 @@ class LogprobResult:
     metrics: dict[str, float] = field(default_factory=dict)  # e.g. moe/routing_agreement
 
 
+class EngineUnavailable(RuntimeError):
+    """Raised by a rollout engine that cannot reach what it runs on (e.g. its server is gone):
+    the run treats the engine as failed (its requests move, it is restarted or dropped), not the
+    request."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates responses for token-id prompts and takes new weights from the trainer."""

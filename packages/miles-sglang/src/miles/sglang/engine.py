@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from miles.core.backends import RolloutSetup
+from miles.core.backends import EngineUnavailable, RolloutSetup
 from miles.core.types import GenerateRequest, GenerateResult
 from miles.core.weight_sync import SyncPlan
 from miles.sglang.config import SGLangConfig
@@ -39,7 +39,11 @@ GROUP_NAME = "weight_update_group"  # the trainer's group (miles.torch.sync.grou
 
 
 class ServerError(RuntimeError):
-    """An SGLang server answered with an error, or not at all."""
+    """An SGLang server answered with an error."""
+
+
+class ServerUnavailable(ServerError, EngineUnavailable):
+    """No answer at all (refused, reset, closed): the run treats the engine as failed."""
 
 
 class SGLangClient:
@@ -65,7 +69,7 @@ class SGLangClient:
         except urllib.error.HTTPError as err:
             raise ServerError(f"{self.url}{path}: HTTP {err.code}: {_message(err)}") from None
         except OSError as err:
-            raise ServerError(f"{self.url}{path}: {err}") from None
+            raise ServerUnavailable(f"{self.url}{path}: {err}") from None
         try:
             return json.loads(text)
         except json.JSONDecodeError:

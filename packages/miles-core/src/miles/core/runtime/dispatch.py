@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from miles.core.backends import EngineUnavailable
 from miles.core.runtime.engine_pool import EngineFailedError
 from miles.core.telemetry import carrier
 from miles.core.types import GenerateRequest, GenerateResult, token_versions
@@ -210,8 +211,8 @@ class EngineDispatcher:
                 "(fault.request_timeout_s)",
                 by_id,
             )
-        except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-            # The engine process died or became unreachable.
+        except (ActorDiedError, ActorUnavailableError, RayActorError, EngineUnavailable) as exc:
+            # The engine process died or became unreachable, or lost what it runs on.
             self._engine_failed(route, f"{type(exc).__name__}: {exc}", by_id)
         except Exception as exc:  # the engine refused the request itself: the caller's error
             for p in by_id.values():
