@@ -243,6 +243,8 @@ class SGLangEngine:
         self._version = version
 
     def load_bucket(self, plan: SyncPlan, index: int, handle: Any) -> None:
+        # Not reached: the backend declares no Capability.COLOCATE, so validation refuses
+        # placement: colocated before launch. The CUDA-IPC hand-over is work left (serve.md).
         raise NotImplementedError("rollout backend sglang: no colocated weight hand-over yet")
 
     def set_weight_version(self, version: int) -> None:

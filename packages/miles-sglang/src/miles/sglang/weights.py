@@ -9,7 +9,6 @@ torch engine is one device). Gloo on CPU, NCCL on a CUDA engine.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from datetime import timedelta
 from math import prod
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from miles.sglang.protocol import BadRequest
+from miles.torch.sync.group import broadcast_from_rank0, close_group
 
 _DTYPES = {
     "float32": torch.float32,
@@ -100,17 +100,12 @@ class UpdateGroup:
         return received
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self._pg.broadcast([tensor], opts).wait()
+        broadcast_from_rank0(self._pg, tensor)
 
     def close(self) -> None:
         pg, self._pg = self._pg, None
-        if pg is None:
-            return
-        with contextlib.suppress(Exception):  # a group whose peer died may not shut down cleanly
-            gloo = isinstance(pg, dist.ProcessGroupGloo)
-            (pg.shutdown if gloo else getattr(pg, "abort", pg.shutdown))()
+        if pg is not None:
+            close_group(pg)
 
 
 def check_update(names: Any, dtypes: Any, shapes: Any) -> None:

@@ -20,6 +20,21 @@ from miles.core.weight_sync import SyncPlan, TensorMeta
 GROUP_NAME = "weight_update_group"  # SGLang's default group_name
 
 
+def broadcast_from_rank0(pg: Any, tensor: torch.Tensor) -> None:
+    """One broadcast from rank 0 on a bare process group (not the default one)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([tensor], opts).wait()
+
+
+def close_group(pg: Any) -> None:
+    """Drops a process group; NCCL's is aborted, which also ends a broadcast still waiting for a
+    peer that died."""
+    with contextlib.suppress(Exception):  # a group whose peer died may not shut down cleanly
+        gloo = isinstance(pg, dist.ProcessGroupGloo)
+        (pg.shutdown if gloo else getattr(pg, "abort", pg.shutdown))()
+
+
 def meta_of(name: str, tensor: torch.Tensor) -> TensorMeta:
     return TensorMeta(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
 
@@ -58,16 +73,11 @@ class SyncGroup:
         """Drops the group (before a new one replaces it, e.g. after an engine restart). NCCL's
         is aborted, which also ends a broadcast still waiting for a peer that died."""
         pg, self._pg = self._pg, None
-        if pg is None:
-            return
-        with contextlib.suppress(Exception):  # a group whose peer died may not shut down cleanly
-            gloo = isinstance(pg, dist.ProcessGroupGloo)
-            (pg.shutdown if gloo else getattr(pg, "abort", pg.shutdown))()
+        if pg is not None:
+            close_group(pg)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self._pg.broadcast([tensor], opts).wait()
+        broadcast_from_rank0(self._pg, tensor)
 
     def send(self, plan: SyncPlan, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Rank 0: broadcasts the tensors, which must arrive in plan order. Returns bytes sent."""
