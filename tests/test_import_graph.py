@@ -164,9 +164,10 @@ def test_core_needs_no_torch_or_transformers(name: str) -> None:
 
 # The run config's defaults name the embedded default stack (torch, fsdp, grpo, ...); that is
 # the one place in the core where a plugin's component is named. The manifest records the
-# version of the torch *distribution* (no component).
+# version of the torch *distribution* (no component); Kind.AGENT's value is the kind's name,
+# which rollout function `agent` (miles-sglang) shares.
 DEFAULTS_MODULE = "miles.core.config"
-NOT_COMPONENTS = {("miles.core.rundir", "torch")}
+NOT_COMPONENTS = {("miles.core.rundir", "torch"), ("miles.core.components", "agent")}
 
 
 def test_core_never_names_a_plugins_component() -> None:

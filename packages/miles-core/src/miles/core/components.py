@@ -20,6 +20,7 @@ class Kind(enum.StrEnum):
     TRAIN_BACKEND = "train_backend"
     ROLLOUT_FUNCTION = "rollout_function"
     ENVIRONMENT = "environment"
+    AGENT = "agent"
     REWARD = "reward"
     FILTER = "filter"
     ADVANTAGE = "advantage"

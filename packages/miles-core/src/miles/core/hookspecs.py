@@ -64,6 +64,13 @@ def miles_register_environments() -> Iterable[ComponentSpec]:
 
 
 @hookspec
+def miles_register_agents() -> Iterable[ComponentSpec]:
+    """Agents for rollout function ``agent`` (miles-sglang): factory(config) builds a callable
+    that runs one episode against an OpenAI-compatible base URL it is handed, and returns its
+    reward; the rollout function trains on the exact tokens of every call."""
+
+
+@hookspec
 def miles_register_rewards() -> Iterable[ComponentSpec]:
     """Reward functions (``reward.name``): score a finished sample (or a whole group) to a float."""
 
@@ -126,6 +133,7 @@ REGISTRATION_HOOKS: dict[str, Kind] = {
     "miles_register_train_backends": Kind.TRAIN_BACKEND,
     "miles_register_rollout_functions": Kind.ROLLOUT_FUNCTION,
     "miles_register_environments": Kind.ENVIRONMENT,
+    "miles_register_agents": Kind.AGENT,
     "miles_register_rewards": Kind.REWARD,
     "miles_register_filters": Kind.FILTER,
     "miles_register_advantages": Kind.ADVANTAGE,

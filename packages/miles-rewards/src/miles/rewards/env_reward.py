@@ -24,5 +24,8 @@ class EnvReward:
 
     async def __call__(self, response: str, sample: Sample) -> float:
         if "env_reward" not in sample.metadata:
-            raise KeyError("no env_reward on this sample: use rollout.function: multi_turn")
+            raise KeyError(
+                "no env_reward on this sample: use rollout.function multi_turn, or agent with "
+                "an agent that returns a reward"
+            )
         return float(sample.metadata["env_reward"])

@@ -1,5 +1,6 @@
-"""miles-sglang's plugin module: `miles serve` on the command line, and rollout backend `sglang`
-(attached to running SGLang or `miles serve` servers)."""
+"""miles-sglang's plugin module: `miles serve` on the command line, rollout backend `sglang`
+(attached to running SGLang or `miles serve` servers), rollout function `agent` (agents over the
+OpenAI API) with the example agent `calculator`, and recipe `quickstart-agent`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from miles.core import hookimpl
 from miles.core.backends import RolloutSetup
 from miles.core.components import Capability, ComponentSpec, Kind
 from miles.core.config import RunConfig
+from miles.sglang.agents import AgentRolloutConfig
+from miles.sglang.calculator_agent import CalculatorAgent, CalculatorAgentConfig, quickstart_agent
 from miles.sglang.command import serve
 from miles.sglang.config import SGLangConfig
 
@@ -21,6 +24,12 @@ def make_engine(config: SGLangConfig, setup: RolloutSetup) -> Any:
     from miles.sglang.engine import SGLangEngine
 
     return SGLangEngine(config, setup)
+
+
+def make_agent_rollout(config: AgentRolloutConfig) -> Any:
+    from miles.sglang.agent_rollout import AgentRollout
+
+    return AgentRollout(config)
 
 
 def sglang_run_checks(run: RunConfig, config: SGLangConfig) -> list[str]:
@@ -58,6 +67,44 @@ def miles_register_rollout_backends() -> Iterable[ComponentSpec]:
             SGLangConfig,
             capabilities=frozenset({Capability.PARTIAL_ROLLOUT, Capability.ROUTING_RECORD}),
             check=sglang_run_checks,
+        )
+    ]
+
+
+@hookimpl
+def miles_register_rollout_functions() -> Iterable[ComponentSpec]:
+    return [
+        ComponentSpec(
+            Kind.ROLLOUT_FUNCTION,
+            "agent",
+            make_agent_rollout,
+            "an agent (rollout.function.agent) over an OpenAI base URL; trains on its exact tokens",
+            AgentRolloutConfig,
+        )
+    ]
+
+
+@hookimpl
+def miles_register_agents() -> Iterable[ComponentSpec]:
+    return [
+        ComponentSpec(
+            Kind.AGENT,
+            "calculator",
+            CalculatorAgent,
+            "example: calls a `max` calculator tool over the chat API, then answers",
+            CalculatorAgentConfig,
+        )
+    ]
+
+
+@hookimpl
+def miles_register_recipes() -> Iterable[ComponentSpec]:
+    return [
+        ComponentSpec(
+            Kind.RECIPE,
+            "quickstart-agent",
+            quickstart_agent,
+            "the quickstart task as a tool-using agent over the OpenAI chat API, on a CPU",
         )
     ]
 

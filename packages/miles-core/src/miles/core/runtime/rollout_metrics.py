@@ -17,7 +17,11 @@ def rollout_metrics(
     tokens = sum(lengths)
     seconds = batch.seconds
     generated_groups = len(flat) // max(samples_per_prompt, 1)
+    # Model calls per episode, where the rollout function records them (multi_turn, agent).
+    turns = [s.metadata["turns"] for s in flat if isinstance(s.metadata.get("turns"), int)]
+    extra = {"rollout/turns_mean": float(np.mean(turns))} if turns else {}
     return {
+        **extra,
         "rollout/reward_mean": float(np.mean(rewards)) if rewards else 0.0,
         "rollout/reward_std": float(np.std(rewards)) if rewards else 0.0,
         "rollout/response_len_mean": float(np.mean(lengths)) if lengths else 0.0,
