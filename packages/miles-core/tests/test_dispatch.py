@@ -50,6 +50,23 @@ def test_requests_of_one_tick_go_out_together_split_over_the_engines() -> None:
     asyncio.run(main())
 
 
+def test_one_at_a_time_requests_go_to_the_engine_with_the_fewest_in_flight() -> None:
+    """Multi-turn and agent episodes send one request per call: each goes where the least is
+    in flight, not always to the first engine."""
+
+    async def main() -> None:
+        s = Setup(2, timeout=0.5)
+        s.engines[0].hang = True  # the first request stays in flight on engine 0
+        first = asyncio.ensure_future(s.dispatcher.generate([request(1)]))
+        await asyncio.sleep(0.05)
+        (second,) = await s.dispatcher.generate([request(2)])
+        assert second.request_id == 2
+        assert s.engines[0].calls == [[1]] and s.engines[1].calls == [[2]]
+        await first  # engine 0 times out; its request finishes on engine 1
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(
     "death",
     # The actor died, or the engine lost what it runs on (e.g. an attached server).

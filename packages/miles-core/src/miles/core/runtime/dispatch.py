@@ -1,8 +1,9 @@
 """Batches generate requests from many concurrent rollout functions onto the ready engines.
 
 Rollout functions call `generate` one group at a time. Requests that arrive in the same event-loop
-tick are flushed together, split evenly over the ready engines, and streamed back: each awaiting
-caller resumes as soon as its own results are in, not when the whole batch is done.
+tick are flushed together, each to the ready engine with the fewest requests in flight, and
+streamed back: each awaiting caller resumes as soon as its own results are in, not when the whole
+batch is done.
 
 Which engines are ready is the engine group's call: it pushes `Routes` (the ready engines, whether
 requests must wait for a weight update, a fatal error), and the dispatcher reports the engines it
@@ -162,8 +163,16 @@ class EngineDispatcher:
         if self.routes.held or not engines or not self._queue:
             return
         queue, self._queue = self._queue, []
-        for i, route in enumerate(engines):
-            share = queue[i :: len(engines)]
+        # Least in flight first: each request goes to the engine with the fewest requests on it
+        # (ties: the first ready one), so a batch spreads evenly and the one-at-a-time requests
+        # of multi-turn and agent episodes do not pile onto one engine.
+        load = [self.inflight(route.index) for route in engines]
+        shares: list[list[_Pending]] = [[] for _ in engines]
+        for pending in queue:
+            target = load.index(min(load))
+            shares[target].append(pending)
+            load[target] += 1
+        for route, share in zip(engines, shares, strict=True):
             if share:
                 self._start(self._run(route, share, share[0].trace))
 
