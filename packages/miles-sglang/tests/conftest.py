@@ -49,8 +49,8 @@ class Server:
             return status, text
 
 
-def start_server(model: str, tmp: Path, *args: str) -> Server:
-    port = free_port()
+def start_server(model: str, tmp: Path, *args: str, port: int | None = None) -> Server:
+    port = port or free_port()
     log = tmp / f"serve-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(

@@ -68,13 +68,14 @@ def test_the_quickstart_learns_through_miles_serve(quickstart_model, tmp_path, s
         stop_server(server)
 
 
-def test_without_servers_the_run_stops_before_launch_and_says_how_to_attach(tmp_path):
+def test_without_sglang_or_urls_the_run_stops_before_launch_and_says_what_to_do(tmp_path):
     done = miles_run(
         "quickstart", "--run-dir", str(tmp_path / "run"), "--set", "rollout.backend=sglang"
     )
     assert done.returncode != 0
     out = done.stdout + done.stderr
-    assert "set rollout.urls" in out and "miles serve" in out, out[-2000:]
+    assert "pip install 'miles-sglang[server]'" in out, out[-2000:]
+    assert "rollout.server=miles" in out and "rollout.urls=" in out, out[-2000:]
     assert "Traceback" not in out
     assert not (tmp_path / "run").exists()  # a refused run leaves nothing behind
 
@@ -100,15 +101,19 @@ def test_an_older_sglang_is_refused_with_the_version_needed(monkeypatch):
         )
 
 
-def test_a_server_killed_mid_run_is_dropped_and_no_sample_is_lost(
+def test_an_attached_server_that_dies_is_quarantined_and_rejoins_when_it_is_back(
     quickstart_model, tmp_path, serve_process
 ):
+    """Killed mid-run: its requests move to the other server and Miles retries its URL with
+    back-off (quarantine); once a server answers there again, the engine rejoins the
+    weight-update group at the next sync. No sample is lost or trained twice."""
     import time
 
     start_server, stop_server = serve_process
     servers = [start_server(quickstart_model, tmp_path) for _ in range(2)]
     run = tmp_path / "run"
-    steps, prompts, samples = 6, 8, 4
+    # Long enough for the server to come back (it loads in seconds; Miles retries every second).
+    steps, prompts, samples = 24, 4, 4
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "miles.core.cli", "run", "quickstart", "--run-dir", str(run),
@@ -119,7 +124,8 @@ def test_a_server_killed_mid_run_is_dropped_and_no_sample_is_lost(
              "--set", f"steps={steps}", "--set", "warmstart.steps=5",
              "--set", f"rollout.prompts_per_step={prompts}",
              "--set", f"rollout.samples_per_prompt={samples}",
-             "--set", "fault.backoff_s=0.1", "--set", "fault.max_engine_restarts=1",
+             "--set", "fault.backoff_s=0.25", "--set", "fault.backoff_max_s=1",
+             "--set", "fault.max_engine_restarts=60",
              "--set", "eval.data=null", "--set", "telemetry.progress=false"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
@@ -129,15 +135,22 @@ def test_a_server_killed_mid_run_is_dropped_and_no_sample_is_lost(
             assert time.monotonic() < deadline
             time.sleep(0.2)
         servers[1].process.kill()  # mid-run: after the first step, before the last
+        port = int(servers[1].url.rsplit(":", 1)[1])
+        servers[1] = start_server(quickstart_model, tmp_path, port=port)  # back, same URL
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-4000:]
+        # The server that came back took part: it holds the run's last weights.
+        assert servers[1].call("/get_weight_version")[1] == {"weight_version": str(steps + 1)}
     finally:
         for server in servers:
             stop_server(server)
     metrics = rows(run / "metrics.jsonl")
     assert len([m for m in metrics if "rollout/reward_mean" in m]) == steps
-    failed = [e for e in rows(run / "events.jsonl") if e.get("fault") == "engine_failed"]
+    events = rows(run / "events.jsonl")
+    failed = [e for e in events if e.get("fault") == "engine_failed"]
     assert failed and all(e["engine"] == 1 for e in failed), failed
+    assert [e["engine"] for e in events if e.get("fault") == "engine_restarted"] == [1]
+    assert not [e for e in events if e.get("fault") == "engine_dropped"]
     # As the fault tests count them: every sample recorded once, none lost, all trained.
     ledger = rows(run / "samples.jsonl")
     ids = [r["sample_id"] for r in ledger]
@@ -203,3 +216,89 @@ def test_a_server_that_does_not_answer_stops_the_run_before_launch(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode != 0 and "Traceback" not in out
     assert "rollout server http://127.0.0.1:9 does not answer" in out, out[-2000:]
+
+
+def test_a_launched_servers_command_line():
+    from miles.core.backends import RolloutSetup
+    from miles.precision.dtype import bf16
+    from miles.sglang.config import SGLangConfig
+    from miles.sglang.launcher import server_command
+
+    setup = RolloutSetup(
+        model_path="/m", device="cuda", seed=7, precision=bf16(), record_routing="ids", index=1
+    )
+    args = {"mem_fraction_static": 0.8, "enable_memory_saver": True, "disable_radix_cache": False}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+        command = server_command(SGLangConfig(server_args=args), setup, 31000)
+    line = " ".join(command)
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    for part in ("--model-path /m", "--port 31000", "--host 127.0.0.1", "--tp-size 2",
+                 "--random-seed 7", "--dtype bfloat16", "--enable-return-routed-experts",
+                 "--mem-fraction-static 0.8", "--enable-memory-saver"):  # fmt: skip
+        assert part in line, line
+    assert "radix" not in line  # false: the flag is left out
+    miles = " ".join(server_command(SGLangConfig(server="miles"), setup, 31000))
+    assert "-m miles.core.cli serve /m" in miles and "--record-routing" in miles
+    with pytest.raises(ValueError, match="server_args are flags for servers Miles launches"):
+        SGLangConfig(urls=["http://127.0.0.1:1"], server_args=args)
+
+
+def test_launched_servers_train_and_a_dead_one_is_relaunched(tmp_path):
+    """Each engine launches its own `miles serve` (rollout.server: miles); killing one mid-run
+    gets it relaunched by its engine's restart, re-joined to the weight-update group at the
+    next sync; no sample is lost, and no server outlives the run."""
+    import os
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    steps, prompts, samples = 6, 8, 4
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles.core.cli", "run", "quickstart", "--run-dir", str(run),
+         "--set", "rollout.backend=sglang", "--set", "rollout.server=miles",
+         "--set", "rollout.engines=2",
+         "--set", f"steps={steps}", "--set", "warmstart.steps=5",
+         "--set", f"rollout.prompts_per_step={prompts}",
+         "--set", f"rollout.samples_per_prompt={samples}",
+         "--set", "fault.backoff_s=0.1", "--set", "eval.data=null",
+         "--set", "telemetry.progress=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not (run / "metrics.jsonl").is_file() or not rows(run / "metrics.jsonl"):
+            assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        launched = [e for e in rows(run / "events.jsonl") if e["event"] == "server launched"]
+        assert sorted(e["engine"] for e in launched) == [0, 1]
+        supervisor = next(e["supervisor_pid"] for e in launched if e["engine"] == 1)
+        children = subprocess.run(
+            ["pgrep", "-P", str(supervisor)], capture_output=True, text=True
+        ).stdout.split()
+        assert len(children) == 1, children
+        os.kill(int(children[0]), signal.SIGKILL)  # the server itself dies, mid-run
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    events = rows(run / "events.jsonl")
+    assert [e["engine"] for e in events if e.get("fault") == "engine_failed"] == [1]
+    assert [e["engine"] for e in events if e.get("fault") == "engine_restarted"] == [1]
+    relaunched = [e for e in events if e["event"] == "server launched" and e["engine"] == 1]
+    assert len(relaunched) == 2 and relaunched[0]["url"] != relaunched[1]["url"]
+    steps_rows = [m for m in rows(run / "metrics.jsonl") if "rollout/reward_mean" in m]
+    assert len(steps_rows) == steps
+    for m in steps_rows:  # the relaunched server got the current weights before it served
+        assert m["train/rollout_logprob_abs_diff"] < 1e-4, m
+    ledger = rows(run / "samples.jsonl")
+    ids = [r["sample_id"] for r in ledger]
+    assert len(ids) == len(set(ids)) and sorted(ids) == list(range(len(ids)))
+    assert len([r for r in ledger if r["fate"] == "trained"]) == steps * prompts * samples
+    logs = sorted(p.name for p in (run / "servers").iterdir())
+    assert len(logs) == 3 and all(p.startswith("engine") for p in logs), logs
+    time.sleep(2)  # the supervisors stop their servers within half a second of the actors
+    left = subprocess.run(["pgrep", "-f", f"serve {run}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout

@@ -109,6 +109,7 @@ class RolloutSetup:
     sync_timeout_s: float = 600.0
     cpu_threads: int | None = None  # on CPU: this engine's share of the machine's cores
     index: int = 0  # this engine's place among the run's (an attached backend's server by it)
+    run_dir: str | None = None  # where the engine may keep files of its own (a server's log)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Rollout backend `sglang`: a `RolloutEngine` that drives one SGLang server (or `miles serve`)
-over SGLang's HTTP protocol. The run's engine k attaches to `rollout.urls[k]`.
+over SGLang's HTTP protocol. The run's engine k attaches to `rollout.urls[k]`, or, without urls,
+launches its own server on its actor's GPUs (`miles.sglang.launcher`) and stops it with itself.
 
 - generate: one `/generate` per request (token ids in, token ids and logprobs out), many in
   flight at once, each result handed on as it returns;
@@ -28,13 +29,16 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 
 from miles.core.backends import EngineUnavailable, RolloutSetup
 from miles.core.types import GenerateRequest, GenerateResult
 from miles.core.weight_sync import SyncPlan
-from miles.sglang.config import SGLangConfig
+from miles.sglang.config import MIN_SGLANG, SGLangConfig
+from miles.sglang.launcher import LaunchedServer
 
-MIN_SGLANG = "0.5"  # the release whose protocol this client speaks
+log = structlog.get_logger(__name__)
+
 GROUP_NAME = "weight_update_group"  # the trainer's group (miles.torch.sync.group.GROUP_NAME)
 
 
@@ -95,20 +99,36 @@ class SGLangEngine:
     """A `miles.core.protocols.RolloutEngine` over one SGLang server."""
 
     def __init__(self, config: SGLangConfig, setup: RolloutSetup) -> None:
-        if setup.index >= len(config.urls):
+        self.server: LaunchedServer | None = None
+        if not config.urls:
+            self.server = LaunchedServer.start(config, setup)
+            url = self.server.url
+            log.info(
+                "server launched",
+                engine=setup.index,
+                url=url,
+                server=config.server,
+                supervisor_pid=self.server.process.pid,
+                log_file=str(self.server.log),
+            )
+        elif setup.index < len(config.urls):
+            url = config.urls[setup.index]
+        else:
             raise ValueError(
                 f"rollout engine {setup.index} has no server: rollout.urls lists "
                 f"{len(config.urls)} (one per engine; set rollout.engines to their number)"
             )
         self.config, self.setup = config, setup
-        self.client = SGLangClient(
-            config.urls[setup.index], config.api_key, config.request_timeout_s
-        )
-        self.info = self.client.call("/get_server_info")
-        self._routes = _RouteShape.of(setup) if setup.record_routing != "off" else None
-        problems = _info_problems(self.client.url, self.info, self._routes is not None)
-        if problems:
-            raise ServerError("; ".join(problems))
+        self.client = SGLangClient(url, config.api_key, config.request_timeout_s)
+        try:
+            self.info = self.client.call("/get_server_info")
+            self._routes = _RouteShape.of(setup) if setup.record_routing != "off" else None
+            problems = _info_problems(self.client.url, self.info, self._routes is not None)
+            if problems:
+                raise ServerError("; ".join(problems))
+        except BaseException:
+            self.close()
+            raise
         self._pool = ThreadPoolExecutor(config.max_in_flight, thread_name_prefix="sglang")
         self._paused = False
         self._version = _version_number(self.client.call("/get_weight_version"))
@@ -187,6 +207,12 @@ class SGLangEngine:
         self.client.call("/resume_memory_occupation", {})
 
     def health(self) -> dict[str, Any]:
+        if self.server is not None and not self.server.alive():
+            raise ServerUnavailable(
+                f"the launched server {self.client.url} exited with code "
+                f"{self.server.process.returncode}; its log ({self.server.log}) ends:\n"
+                f"{self.server.tail(5)}"
+            )
         info = self.client.call("/get_server_info")
         return {
             "ok": True,
@@ -195,7 +221,17 @@ class SGLangEngine:
             "url": self.client.url,
             "weight_version": self._version,
             "served_by": info.get("served_by", "sglang"),
+            "launched": self.server is not None,
         }
+
+    def close(self) -> None:
+        """Stops a launched server (an attached one is left running)."""
+        if self.server is not None:
+            self.server.stop()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     def get_rng_state(self) -> str:
         return ""  # the server's sampling RNG is its own: not saved with the run
@@ -206,7 +242,10 @@ class SGLangEngine:
     # -- weight sync ---------------------------------------------------------------------------
 
     def join_weight_sync(self, host: str, port: int, world_size: int, rank: int) -> None:
-        self.client.call(
+        """Leaves the server's last group (a rebuilt group, after a member changed, reuses the
+        name), then joins the new one."""
+        self.leave_weight_sync()
+        answer = self.client.call(
             "/init_weights_update_group",
             {
                 "master_address": host,
@@ -217,6 +256,10 @@ class SGLangEngine:
                 "backend": "nccl" if self.setup.device.startswith("cuda") else "gloo",
             },
         )
+        if not answer.get("success", False):
+            raise ServerError(
+                f"{self.client.url}: joining the weight-update group failed: {answer}"
+            )
 
     def leave_weight_sync(self) -> None:
         with contextlib.suppress(ServerError):  # no group: never joined, or already gone

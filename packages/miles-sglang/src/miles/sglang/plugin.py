@@ -17,7 +17,7 @@ from miles.core.config import RunConfig
 from miles.sglang.agents import AgentRolloutConfig
 from miles.sglang.calculator_agent import CalculatorAgent, CalculatorAgentConfig, quickstart_agent
 from miles.sglang.command import serve
-from miles.sglang.config import SGLangConfig
+from miles.sglang.config import MIN_SGLANG, SGLangConfig
 
 
 def make_engine(config: SGLangConfig, setup: RolloutSetup) -> Any:
@@ -33,18 +33,17 @@ def make_agent_rollout(config: AgentRolloutConfig) -> Any:
 
 
 def sglang_run_checks(run: RunConfig, config: SGLangConfig) -> list[str]:
-    """Problems found before launch: where the servers are."""
+    """Problems found before launch: where the servers are, or what launches them."""
     if not config.urls:
-        launch = (
-            "launching SGLang servers from `miles run` is not in this release"
-            if importlib.util.find_spec("sglang") is not None
-            else "to launch SGLang itself, pip install 'miles-sglang[server]' (not in this release)"
-        )
-        return [
-            "rollout.backend sglang attaches to running servers: set rollout.urls to their "
-            "addresses, one per engine (e.g. --set 'rollout.urls=[http://127.0.0.1:30000]' after "
-            f"`miles serve MODEL --port 30000`); {launch}"
-        ]
+        if config.server == "sglang" and importlib.util.find_spec("sglang") is None:
+            return [
+                "rollout.backend sglang launches an SGLang server per engine, and the sglang "
+                "package is not installed here: pip install 'miles-sglang[server]' (SGLang >= "
+                f"{MIN_SGLANG}); or launch `miles serve` servers instead (--set "
+                "rollout.server=miles); or attach to running servers, one per engine (--set "
+                "'rollout.urls=[http://127.0.0.1:30000]' after `miles serve MODEL --port 30000`)"
+            ]
+        return []
     if len(config.urls) != run.rollout.engines:
         return [
             f"rollout.urls lists {len(config.urls)} server(s) for rollout.engines="

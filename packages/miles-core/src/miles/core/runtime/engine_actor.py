@@ -51,6 +51,7 @@ class EngineActor:
             sync_timeout_s=config.fault.request_timeout_s,
             cpu_threads=num_threads,
             index=index,
+            run_dir=run_dir,
         )
         self.engine: RolloutEngine = build_component(
             Kind.ROLLOUT_BACKEND,
