@@ -158,6 +158,45 @@ def test_an_attached_server_that_dies_is_quarantined_and_rejoins_when_it_is_back
     assert len([r for r in ledger if r["fate"] == "trained"]) == steps * prompts * samples
 
 
+def test_async_partial_rollouts_through_the_server(quickstart_model, tmp_path, serve_process):
+    """mode async over HTTP: a weight update pauses the server (mode abort) while the next
+    batch generates; the cut requests finish with the new weights (tokens of two versions in
+    one sample), staleness stays within its bound, and every sample is trained once."""
+    start_server, stop_server = serve_process
+    # The paged path batches continuously (requests join running ones), as SGLang does: a pause
+    # finds the batch mid-generation rather than queued behind a running one.
+    server = start_server(quickstart_model, tmp_path, "--engine-path", "paged")
+    run = tmp_path / "run"
+    steps, prompts, samples = 4, 8, 4
+    try:
+        done = miles_run(
+            "quickstart", "--run-dir", str(run),
+            "--set", f"model.path={quickstart_model}",
+            "--set", "rollout.backend=sglang", "--set", f"rollout.urls=[{server.url}]",
+            "--set", "mode=async", "--set", "async.max_staleness=1",
+            "--set", "async.on_weight_update=continue", "--set", "algorithm.correction=tis",
+            # No warm-start: the random model rambles to max_new_tokens, so batches are long.
+            "--set", "warmstart.steps=0", "--set", "rollout.max_new_tokens=32",
+            "--set", f"steps={steps}", "--set", f"rollout.prompts_per_step={prompts}",
+            "--set", f"rollout.samples_per_prompt={samples}",
+            "--set", "eval.data=null", "--set", "telemetry.progress=false",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    finally:
+        stop_server(server)
+    metrics = [m for m in rows(run / "metrics.jsonl") if "rollout/reward_mean" in m]
+    assert len(metrics) == steps
+    assert all(m["async/staleness_max"] <= 1 for m in metrics)
+    assert sum(m["async/requeued"] for m in metrics) > 0  # updates did cut requests short
+    ledger = rows(run / "samples.jsonl")
+    ids = [r["sample_id"] for r in ledger]
+    assert len(ids) == len(set(ids)) and sorted(ids) == list(range(len(ids)))
+    trained = [r for r in ledger if r["fate"] == "trained"]
+    assert len(trained) == steps * prompts * samples
+    mixed = [r for r in ledger if r["weight_versions"][0] != r["weight_versions"][1]]
+    assert mixed, "no sample spans a weight update"
+
+
 def test_routing_replay_from_the_servers_routed_experts(tmp_path, serve_process):
     from miles.recipes import quickstart_task
 

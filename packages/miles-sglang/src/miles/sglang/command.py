@@ -32,6 +32,13 @@ import click
     help="Prompts waiting beyond this get HTTP 503.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--engine-path",
+    type=click.Choice(["auto", "paged", "hf"]),
+    default="auto",
+    show_default=True,
+    help="The engine's path (docs/engine.md): auto is paged on a GPU, hf on the CPU.",
+)
 @click.option("--record-routing", is_flag=True, help="Record MoE routes (return_routed_experts).")
 @click.option(
     "--api-key",
@@ -48,6 +55,7 @@ def serve(
     max_batch_size: int,
     max_queue: int,
     seed: int,
+    engine_path: str,
     record_routing: bool,
     api_key: str | None,
 ) -> None:
@@ -73,7 +81,7 @@ def serve(
         max_batch_size=max_batch_size,
         seed=seed,
         record_routing="ids" if record_routing else "off",
-        path="auto",
+        path=engine_path,
     )
     settings = ServeSettings(
         model_path=model_path,
