@@ -300,6 +300,73 @@ def test_weights_from_disk_then_back(server, model, tmp_path):
     )
 
 
+def test_weights_from_tensor_by_reference_and_refused_payloads(server, model, tmp_path):
+    """A colocated trainer's bucket by reference (a shared-memory file on the CPU; CUDA IPC on
+    a GPU), as the sglang backend sends it; payloads that are not tensor rebuilds get a 400."""
+    import base64
+    import pickle
+
+    from miles.core.weight_sync import plan_buckets
+    from miles.sglang.tensors import serialize_bucket
+    from miles.torch.sync.ipc import pack_bucket, release, share
+    from miles.torch.sync.group import meta_of
+
+    new = make_tiny_model(tmp_path / "new", vocab_size=VOCAB, seed=11)
+    weights = dict(AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).state_dict())
+    plan = plan_buckets((meta_of(n, t) for n, t in weights.items()), 2**16)
+    assert len(plan.buckets) > 1
+    named = iter(weights.items())
+    for index, bucket in enumerate(plan.buckets):
+        handle = share(pack_bucket(bucket, named, "cpu"))
+        try:
+            status, out = server.call(
+                "/update_weights_from_tensor",
+                {"serialized_named_tensors": [serialize_bucket(bucket, handle)],
+                 "load_format": None, "flush_cache": index == len(plan.buckets) - 1,
+                 "weight_version": "ipc"},
+            )  # fmt: skip
+        finally:
+            release(handle)  # the server answered: it copied the bucket out
+        assert status == 200 and out["success"], out
+    prompt = [3, 1, 4, 1, 5]
+    out = generate(server, prompt)
+    assert out["meta_info"]["weight_version"] == "ipc"
+    got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+    assert (got - hf_logprobs(new, prompt, out["output_ids"])).abs().max().item() < 1e-4
+
+    class Evil:
+        def __reduce__(self):
+            import os
+
+            return os.system, ("touch /tmp/miles-should-not-exist",)
+
+    for payload, message in [
+        (pickle.dumps([("w", Evil())]), "calls posix.system, which is not a tensor rebuild"),
+        (pickle.dumps({"w": 1}), "expected a list of (name, tensor)"),
+        (b"not a pickle", "not a tensor payload"),
+    ]:
+        entry = base64.b64encode(payload).decode()
+        status, out = server.call(
+            "/update_weights_from_tensor", {"serialized_named_tensors": [entry]}
+        )
+        assert status == 400 and message in out["error"]["message"], out
+    assert not Path("/tmp/miles-should-not-exist").exists()
+    # A rebuild of a file that is not a trainer's bucket is refused too.
+    from miles.sglang.tensors import _Call, shared_file
+
+    sneaky = pickle.dumps([("w", _Call(shared_file, ("/etc/passwd", 4, "float32")))])
+    status, out = server.call(
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": [base64.b64encode(sneaky).decode()]},
+    )
+    assert status == 400 and "is not a bucket file" in out["error"]["message"], out
+    restore = server.call(
+        "/update_weights_from_disk", {"model_path": model, "weight_version": "default"}
+    )
+    assert restore[0] == 200
+    assert generate(server, prompt)["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+
+
 def test_release_and_resume_memory(server):
     assert server.call("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})[0] == 200
     status, out = server.call("/generate", {"input_ids": [1, 2]})

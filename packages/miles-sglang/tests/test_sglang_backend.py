@@ -197,6 +197,24 @@ def test_async_partial_rollouts_through_the_server(quickstart_model, tmp_path, s
     assert mixed, "no sample spans a weight update"
 
 
+def test_colocated_engines_take_the_weights_by_reference(tmp_path):
+    """placement: colocated: each engine's launched server shares its train rank's device and
+    takes every bucket through /update_weights_from_tensor (CUDA IPC on a GPU, a shared-memory
+    file on the CPU); the engine samples with exactly the trainer's weights."""
+    run = tmp_path / "run"
+    done = miles_run(
+        "quickstart", "--run-dir", str(run),
+        "--set", "rollout.backend=sglang", "--set", "rollout.server=miles",
+        "--set", "placement=colocated", "--set", "steps=4", "--set", "warmstart.steps=5",
+        "--set", "eval.data=null", "--set", "telemetry.progress=false",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [m for m in rows(run / "metrics.jsonl") if "rollout/reward_mean" in m]
+    assert [m["weights/version"] for m in steps] == [2.0, 3.0, 4.0, 5.0]
+    for m in steps:  # verified by checksum after every sync, and the same logprobs
+        assert "perf/sync_verify_s" in m and m["train/rollout_logprob_abs_diff"] < 1e-4, m
+
+
 def test_routing_replay_from_the_servers_routed_experts(tmp_path, serve_process):
     from miles.recipes import quickstart_task
 

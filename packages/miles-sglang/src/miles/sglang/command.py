@@ -81,7 +81,7 @@ def serve(
         max_batch_size=max_batch_size,
         seed=seed,
         record_routing="ids" if record_routing else "off",
-        path=engine_path,
+        path=engine_path,  # type: ignore[arg-type]  # click.Choice checked it
     )
     settings = ServeSettings(
         model_path=model_path,

@@ -8,8 +8,9 @@ launches its own server on its actor's GPUs (`miles.sglang.launcher`) and stops 
   so far (what Miles' partial rollouts resume from); resume: `/continue_generation`;
 - weight sync: the server joins the trainer's weight-update group (`/init_weights_update_group`,
   the trainer rank 0) and takes each bucket of the sync plan as one flattened broadcast
-  (`/update_weights_from_distributed`, `load_format: flattened_bucket`); the version is the label
-  `/update_weight_version` sets;
+  (`/update_weights_from_distributed`, `load_format: flattened_bucket`); colocated, each bucket
+  arrives by reference (`/update_weights_from_tensor`, CUDA IPC; a shared-memory file on the
+  CPU); the version is the label `/update_weight_version` sets;
 - verification: `/weights_checksum`, an endpoint of `miles serve` (SGLang has none: set
   `rollout.verify_weights: false` against SGLang itself).
 """
@@ -36,6 +37,7 @@ from miles.core.types import GenerateRequest, GenerateResult
 from miles.core.weight_sync import SyncPlan
 from miles.sglang.config import MIN_SGLANG, SGLangConfig
 from miles.sglang.launcher import LaunchedServer
+from miles.sglang.tensors import serialize_bucket
 
 log = structlog.get_logger(__name__)
 
@@ -286,9 +288,18 @@ class SGLangEngine:
         self._version = version
 
     def load_bucket(self, plan: SyncPlan, index: int, handle: Any) -> None:
-        # Not reached: the backend declares no Capability.COLOCATE, so validation refuses
-        # placement: colocated before launch. The CUDA-IPC hand-over is work left (serve.md).
-        raise NotImplementedError("rollout backend sglang: no colocated weight hand-over yet")
+        """Colocated: the trainer's bucket by reference (`update_weights_from_tensor`); the
+        server maps it, copies it into its weights, and answers once the memory is free."""
+        answer = self.client.call(
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": [serialize_bucket(plan.buckets[index], handle)],
+                "load_format": None,
+                "flush_cache": index == len(plan.buckets) - 1,
+            },
+        )
+        if not answer.get("success", False):
+            raise ServerError(f"{self.client.url}: weight update failed: {answer}")
 
     def set_weight_version(self, version: int) -> None:
         self.client.call("/update_weight_version", {"new_version": str(version)})

@@ -64,7 +64,9 @@ def miles_register_rollout_backends() -> Iterable[ComponentSpec]:
             make_engine,
             "SGLang's HTTP protocol: attached SGLang or `miles serve` servers (rollout.urls)",
             SGLangConfig,
-            capabilities=frozenset({Capability.PARTIAL_ROLLOUT, Capability.ROUTING_RECORD}),
+            capabilities=frozenset(
+                {Capability.PARTIAL_ROLLOUT, Capability.ROUTING_RECORD, Capability.COLOCATE}
+            ),
             check=sglang_run_checks,
         )
     ]

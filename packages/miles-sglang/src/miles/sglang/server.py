@@ -20,6 +20,7 @@ from importlib.metadata import version as package_version
 from typing import Any
 
 import numpy as np
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -29,6 +30,7 @@ from miles.sglang import openai
 from miles.sglang import protocol as wire
 from miles.sglang.host import EngineHost, Finished, NotServing, QueueFull
 from miles.sglang.protocol import BadRequest, GenerateItem
+from miles.sglang.tensors import PayloadRefused, load_named_tensors
 from miles.sglang.weights import UpdateGroup, check_update, safetensors_weights
 
 # The SGLang release whose protocol this server follows (what /get_server_info reports).
@@ -408,13 +410,44 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
 
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(request: Request) -> JSONResponse:
-        wire.check_fields(
-            await _body(request), wire.UPDATE_TENSOR_FIELDS, "/update_weights_from_tensor"
-        )
-        raise BadRequest(
-            "update_weights_from_tensor (CUDA IPC handles from a colocated trainer) is not "
-            "implemented by miles serve yet; use update_weights_from_distributed"
-        )
+        body = wire.check_fields(
+            await _body(request), wire.UPDATE_TENSOR_FIELDS, "/update_weights_from_tensor",
+            required=("serialized_named_tensors",),
+        )  # fmt: skip
+        entries = body["serialized_named_tensors"]
+        if len(entries) != 1 or not isinstance(entries[0], str):
+            raise BadRequest(
+                "serialized_named_tensors: one base64 string (this server is one tensor-parallel "
+                f"rank), got {len(entries)} entries"
+            )
+        if body.get("load_format") is not None:
+            raise BadRequest("load_format must be null here: send [(name, tensor)] pairs")
+        if body.get("abort_all_requests"):
+            await run_in_threadpool(state.host.abort, None, True)
+
+        def load() -> int:
+            try:
+                named = load_named_tensors(entries[0])
+            except PayloadRefused as exc:
+                raise BadRequest(str(exc)) from None
+            check_update(
+                [n for n, _ in named],
+                [str(t.dtype).removeprefix("torch.") for _, t in named],
+                [list(t.shape) for _, t in named],
+            )
+            _load(state, iter(named))
+            if any(t.is_cuda for _, t in named):  # copied out before the trainer reuses it
+                torch.cuda.synchronize()
+            return len(named)
+
+        try:
+            loaded = await run_in_threadpool(load)
+        except BadRequest:
+            raise
+        except Exception as exc:
+            return _fail(f"update_weights_from_tensor failed: {exc}")
+        _new_label(state, body.get("weight_version"))
+        return _ok(f"loaded {loaded} tensor(s)")
 
     return app
 
