@@ -48,7 +48,7 @@ def _has_cuda() -> bool:
 LONGEST_FIRST = (
     "tests/test_modes_and_faults.py",  # ~1,100
     "tests/test_precisions.py",  # ~660
-    "packages/miles-sglang/tests/test_sglang_backend.py",  # ~400
+    "packages/miles-sglang/tests/test_sglang_backend.py",  # ~550
     "tests/test_chaos.py",  # ~290
     "tests/test_algorithm_runs.py",  # ~270
     "tests/test_observed_run.py",  # ~200
