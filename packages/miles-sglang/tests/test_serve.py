@@ -308,8 +308,8 @@ def test_weights_from_tensor_by_reference_and_refused_payloads(server, model, tm
 
     from miles.core.weight_sync import plan_buckets
     from miles.sglang.tensors import serialize_bucket
-    from miles.torch.sync.ipc import pack_bucket, release, share
     from miles.torch.sync.group import meta_of
+    from miles.torch.sync.ipc import pack_bucket, release, share
 
     new = make_tiny_model(tmp_path / "new", vocab_size=VOCAB, seed=11)
     weights = dict(AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).state_dict())
