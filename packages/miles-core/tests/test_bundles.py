@@ -65,6 +65,20 @@ def test_order_breaks_ties_by_node_id_and_puts_cpu_bundles_first() -> None:
     assert infos[1].gpus == 1 and infos[2].gpus == 0
 
 
+def test_topology_groups_come_first_so_ranks_fill_a_rack_before_the_next() -> None:
+    infos = [
+        BundleInfo(0, "a", "10.0.0.1", (0,), topology="rack2"),
+        BundleInfo(1, "b", "10.0.0.2", (0,), topology="rack1"),
+        BundleInfo(2, "c", "10.0.0.3", (0,), topology="rack1"),
+        BundleInfo(3, "a", "10.0.0.1", (1,), topology="rack2"),
+        BundleInfo(4, "d", "10.0.0.4", (0,), topology="rack1"),
+    ]
+    # Without topology this would be by IP (0, 3, 1, 2, 4): node a holds ranks 0 and 1.
+    train, engines = assign(infos, ["train", "train", "train", "engine", "engine"])
+    assert train == [1, 2, 0]  # rack1's nodes first, then rack2
+    assert engines == [4, 3]  # the engine in rank 0's rack first
+
+
 def test_assign_rejects_mismatched_inputs() -> None:
     infos = _layout()
     with pytest.raises(ValueError, match="do not cover"):

@@ -310,7 +310,7 @@ def test_launched_servers_train_and_a_dead_one_is_relaunched(tmp_path):
     import time
 
     run = tmp_path / "run"
-    steps, prompts, samples = 6, 8, 4
+    steps, prompts, samples = 16, 4, 4  # room for the relaunch, even on a loaded machine
     proc = subprocess.Popen(
         [sys.executable, "-m", "miles.core.cli", "run", "quickstart", "--run-dir", str(run),
          "--set", "rollout.backend=sglang", "--set", "rollout.server=miles",
@@ -318,7 +318,8 @@ def test_launched_servers_train_and_a_dead_one_is_relaunched(tmp_path):
          "--set", f"steps={steps}", "--set", "warmstart.steps=5",
          "--set", f"rollout.prompts_per_step={prompts}",
          "--set", f"rollout.samples_per_prompt={samples}",
-         "--set", "fault.backoff_s=0.1", "--set", "eval.data=null",
+         "--set", "fault.backoff_s=0.1", "--set", "fault.backoff_max_s=1",
+         "--set", "fault.max_engine_restarts=30", "--set", "eval.data=null",
          "--set", "telemetry.progress=false"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """The run config: one YAML file, one typed section per component.
 
 Top-level keys are a contract: name, seed, steps, mode, model, data, rollout, reward, filters,
-algorithm, train, precision, lora, moe, async, checkpoint, telemetry (plus placement, fault,
+algorithm, train, precision, lora, moe, async, checkpoint, telemetry (plus placement, fault, cluster,
 planner, warmstart and eval).
 A section that names a component (``reward: {name: exact_match, answer_key: label}``) keeps the
 component's own options aside; `miles.core.validation` checks them against that component's config
@@ -257,6 +257,10 @@ class FaultConfig:
     max_train_restarts: int = 2  # restarts of the train group (from a snapshot or checkpoint)
     backoff_s: float = 1.0  # the first retry waits this long, each next one twice as long,
     backoff_max_s: float = 30.0  # up to this
+    # A lost node's train ranks and engines start again once Ray has re-placed their bundles on
+    # the nodes left (or on one that joins); past this many seconds without a place, the run
+    # fails and says what is missing.
+    node_wait_s: float = 300.0
     # A host-memory copy of the train state every N steps, which a restarted train group
     # resumes from (redoing the steps since). "auto": every step while a snapshot costs at most
     # a quarter of a train step, else as often as that allows; 0: never (checkpoints only).
@@ -267,9 +271,11 @@ class FaultConfig:
     train_restart_from: Literal["latest", "base"] = "latest"
 
     def __post_init__(self) -> None:
-        if min(self.health_check_s, self.request_timeout_s, self.start_timeout_s) <= 0:
+        if min(self.health_check_s, self.request_timeout_s, self.start_timeout_s,
+               self.node_wait_s) <= 0:  # fmt: skip
             raise ValueError(
-                "fault.health_check_s, request_timeout_s and start_timeout_s must be > 0"
+                "fault.health_check_s, request_timeout_s, start_timeout_s and node_wait_s must "
+                "be > 0"
             )
         if min(self.max_engine_restarts, self.max_train_restarts) < 0:
             raise ValueError("fault.max_engine_restarts and max_train_restarts must be >= 0")
@@ -304,6 +310,16 @@ class PlannerConfig:
             raise ValueError("planner: usable_fraction in (0, 1] and prompt_tokens >= 1")
         if self.gpu_mem_gb is not None and self.gpu_mem_gb <= 0:
             raise ValueError("planner.gpu_mem_gb must be > 0")
+
+
+@dataclass
+class ClusterConfig:
+    """How the Ray cluster's nodes are grouped (docs/cluster.md)."""
+
+    # A Ray node label naming each node's group (rack, switch, NVLink domain), e.g. "rack" for
+    # nodes started with `ray start --labels='{"rack": "r1"}'`. Train ranks fill one group's
+    # nodes before the next, and engines take the places nearest rank 0. None: nodes only.
+    topology_label: str | None = None
 
 
 @dataclass
@@ -342,6 +358,7 @@ class RunConfig:
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)

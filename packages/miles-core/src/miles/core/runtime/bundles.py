@@ -3,7 +3,10 @@
 Ray numbers a placement group's bundles in the order they were requested, not by where they
 landed: bundle 3 may sit on the first node's GPU 0 and bundle 0 on the second node. Ranks that
 talk the most (neighbouring train ranks, an engine's GPUs) should be neighbours on the hardware,
-so we ask each bundle where it is and hand out bundles in (node, GPU) order.
+so we ask each bundle where it is and hand out bundles in (topology group, node, GPU) order: the
+topology group is the value of a node label (`cluster.topology_label`: a rack, a switch, an
+NVLink domain), so train ranks fill one group's nodes before the next, and engines, ordered the
+same way, take the places nearest train rank 0 (the one that sends them weights).
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ class BundleInfo:
     node_id: str
     node_ip: str
     gpu_ids: tuple[int, ...]  # as `ray.get_gpu_ids()` reports them on that node
+    topology: str = ""  # the node's value of the topology label ("": none)
 
     @property
     def gpus(self) -> int:
         return len(self.gpu_ids)
 
 
-def probe_bundles(group: Any) -> list[BundleInfo]:
+def probe_bundles(group: Any, topology_label: str | None = None) -> list[BundleInfo]:
     """Runs one tiny task in each bundle of a ready placement group and reports where it ran.
 
     A task only sees GPU ids for the GPUs it requested (with num_gpus=0, `ray.get_gpu_ids()` is
@@ -44,7 +48,7 @@ def probe_bundles(group: Any) -> list[BundleInfo]:
             num_cpus=0,
             num_gpus=spec.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, index),
-        ).remote(index)
+        ).remote(index, topology_label)
         for index, spec in enumerate(group.bundle_specs)
     ]
     infos: list[BundleInfo] = ray.get(refs, timeout=300)
@@ -52,8 +56,12 @@ def probe_bundles(group: Any) -> list[BundleInfo]:
 
 
 def order_bundles(infos: Sequence[BundleInfo]) -> list[BundleInfo]:
-    """Bundles by node (IP, numerically: 10.0.0.9 before 10.0.0.10), then by first GPU id."""
-    return sorted(infos, key=lambda b: (_ip_key(b.node_ip), b.node_id, min(b.gpu_ids, default=-1)))
+    """Bundles by topology group, then node (IP, numerically: 10.0.0.9 before 10.0.0.10), then
+    first GPU id."""
+    return sorted(
+        infos,
+        key=lambda b: (b.topology, _ip_key(b.node_ip), b.node_id, min(b.gpu_ids, default=-1)),
+    )
 
 
 def assign(infos: Sequence[BundleInfo], kinds: Sequence[BundleKind]) -> tuple[list[int], list[int]]:
@@ -90,12 +98,16 @@ def _ip_key(ip: str) -> tuple[int, int, str]:
     return (address.version, int(address), "")
 
 
-def _where(index: int) -> BundleInfo:
+def _where(index: int, topology_label: str | None) -> BundleInfo:
     import ray
 
+    context = ray.get_runtime_context()
+    labels: dict[str, Any] = dict(context.get_node_labels() or {}) if topology_label else {}
+    value = labels.get(topology_label or "", "")
     return BundleInfo(
         index=index,
-        node_id=ray.get_runtime_context().get_node_id(),
+        node_id=context.get_node_id(),
         node_ip=ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
         gpu_ids=tuple(sorted(int(g) for g in ray.get_gpu_ids())),
+        topology=str(value[0] if isinstance(value, list) and value else value or ""),
     )

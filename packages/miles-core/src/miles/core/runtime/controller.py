@@ -29,13 +29,12 @@ import structlog
 
 from miles.core.components import Capability, Kind
 from miles.core.config import RunConfig
-from miles.core.gpu_memory import local_gpu_memory_gb
 from miles.core.planner import colocated_offload
 from miles.core.plugins import get_plugin_manager
 from miles.core.rundir import drop_rows_after, latest_valid_checkpoint
 from miles.core.runtime import checkpoints
 from miles.core.runtime.metric_log import MetricLog
-from miles.core.runtime.placement import Placement, start_ray
+from miles.core.runtime.placement import Placement, cluster_gpu_memory_gb, start_ray
 from miles.core.runtime.progress import Progress
 from miles.core.runtime.snapshots import RestorePoint, Snapshots
 from miles.core.runtime.train_group import (
@@ -89,12 +88,9 @@ class Controller:
                 drop_rows_after(run_dir / name, self.resume_from[0])
         self.metrics = MetricLog(config.telemetry, run_dir)
         self.colocated = config.placement == "colocated"
-        # Colocated: whether the hand-over moves memory off the GPU, by the memory plan.
+        # Colocated: whether the hand-over moves memory off the GPU, by the memory plan (decided
+        # once Ray is up: the GPUs are the cluster's, not necessarily this machine's).
         self.offload = False
-        if self.colocated:
-            gpu_mem = config.planner.gpu_mem_gb or local_gpu_memory_gb()
-            self.offload, why = colocated_offload(config, gpu_mem)
-            log.info("colocated hand-over", offload=self.offload, reason=why)
         self.snapshots = Snapshots(config.fault, self.info.run_id, run_dir)
         self.step = -1  # the step under way (-1: before RL step 0)
         self.done_through = -1  # the last step trained, synced and snapshotted
@@ -107,6 +103,10 @@ class Controller:
 
     def _start(self) -> None:
         start_ray(self.config, self.ray_address)
+        if self.colocated:
+            gpu_mem = self.config.planner.gpu_mem_gb or cluster_gpu_memory_gb()
+            self.offload, why = colocated_offload(self.config, gpu_mem)
+            log.info("colocated hand-over", offload=self.offload, reason=why)
         placement = Placement.create(self.config, str(self.run_dir))
         self.placement = placement
         self.rollout, self.engines = placement.rollout, placement.engines

@@ -109,7 +109,12 @@ class EnginePool:
             slot.restarts += 1
             self.restarts_total += 1
             await asyncio.sleep(delay)
-            handle = self.launcher.launch(slot.index)
+            try:
+                # Blocks while a lost node's bundle waits for a place (up to fault.node_wait_s).
+                handle = await asyncio.to_thread(self.launcher.launch, slot.index)
+            except Exception as exc:
+                slot.last_error = f"restart failed: {type(exc).__name__}: {exc}"
+                continue
             try:
                 # A new engine loads its model first (minutes, for a large one).
                 await asyncio.wait_for(_ref(handle.health.remote()), self.fault.start_timeout_s)

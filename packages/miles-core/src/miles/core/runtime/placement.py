@@ -3,27 +3,37 @@
 disaggregated: each train rank gets a bundle (one CPU, plus one GPU on a GPU cluster) and each
 engine a bundle of its own (one CPU, plus `rollout.gpus_per_engine` GPUs, which Ray keeps on one
 node). colocated: one bundle per train rank, and engine i shares rank i's bundle, each actor taking
-half of it. Bundles are handed out in (node, GPU) order (`bundles.assign`), so train ranks fill a
-node before the next. The engine group and the rollout manager only coordinate and take no bundle.
+half of it. Bundles are handed out in (topology group, node, GPU) order (`bundles.assign`), so
+train ranks fill a node, then a group, before the next; the layout is logged and kept in
+manifest.json. The engine group and the rollout manager only coordinate and take no bundle.
+Whether bundles get GPUs is the cluster's answer (its resources), never the controller's: a
+driver on a CPU-only head node or a laptop runs a GPU cluster's GPUs.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
 import structlog
 from ray.exceptions import RayActorError
-from ray.util.placement_group import PlacementGroup, placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from miles.core.components import Capability, Kind
 from miles.core.config import ReplayMode, RunConfig
 from miles.core.families import record_mode
+from miles.core.gpu_memory import local_gpu_memory_gb
 from miles.core.plugins import get_plugin_manager
-from miles.core.runtime.bundles import assign, probe_bundles
+from miles.core.rundir import add_to_manifest
+from miles.core.runtime.bundles import BundleInfo, assign, probe_bundles
 from miles.core.runtime.engine_actor import MAX_CONCURRENCY, EngineActor
 from miles.core.runtime.engine_group import EngineGroup
 from miles.core.runtime.process import free_port, node_address
@@ -36,6 +46,19 @@ log = structlog.get_logger(__name__)
 def use_gpus() -> bool:
     """GPU bundles when the Ray cluster has GPUs: the controller itself needs no CUDA."""
     return bool(ray.cluster_resources().get("GPU", 0))  # type: ignore[no-untyped-call]
+
+
+def cluster_gpu_memory_gb() -> float | None:
+    """One GPU's memory, asked on a node that has GPUs (the driver's node may have none); None
+    on a cluster without GPUs."""
+    alive = ray.nodes()  # type: ignore[no-untyped-call]
+    nodes = [n for n in alive if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
+    if not nodes:
+        return None
+    there = NodeAffinitySchedulingStrategy(nodes[0]["NodeID"], soft=False)
+    probe = ray.remote(local_gpu_memory_gb).options(num_cpus=0, scheduling_strategy=there)
+    memory: float | None = ray.get(probe.remote(), timeout=120)
+    return memory
 
 
 def start_ray(config: RunConfig, address: str | None) -> None:
@@ -65,6 +88,33 @@ def start_ray(config: RunConfig, address: str | None) -> None:
     )
 
 
+class NoPlaceError(RuntimeError):
+    """A lost node's bundles found no place on the nodes left within fault.node_wait_s."""
+
+
+def wait_for_places(group: PlacementGroup, timeout_s: float) -> None:
+    """Returns once every bundle of `group` is placed on a live node. After a node dies, Ray
+    re-places its bundles on the others when they have room (or on a node that joins); actors
+    started in a bundle without a place would only wait, so wait here, with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        table = placement_group_table(group)
+        if table.get("state") == "CREATED":
+            return
+        if time.monotonic() > deadline:
+            needs = [b for i, b in enumerate(group.bundle_specs) if i not in _placed(table)]
+            raise NoPlaceError(
+                f"a node was lost and its bundles ({needs}) found no place on the nodes left "
+                f"within fault.node_wait_s={timeout_s:g}s: add a node with those resources, or "
+                "raise fault.node_wait_s"
+            )
+        time.sleep(0.5)
+
+
+def _placed(table: dict[str, Any]) -> set[int]:
+    return {int(i) for i, node in (table.get("bundles_to_node_id") or {}).items() if node}
+
+
 @dataclass
 class TrainLauncher:
     """Starts the train group in its bundles (again after a failure, with a new rendezvous)."""
@@ -74,10 +124,12 @@ class TrainLauncher:
     num_cpus: float
     num_gpus: float
     kwargs: dict[str, Any]  # TrainActor's keyword arguments, except rank and the rendezvous
+    node_wait_s: float = 300.0
 
     def launch(self, tries: int = 3) -> list[Any]:
         """The ranks, once each has started. The rendezvous port is free when picked, but another
         process may take it before rank 0 binds it: then the group starts again on a new one."""
+        wait_for_places(self.group, self.node_wait_s)
         for attempt in range(tries):
             trainers = self._start()
             try:
@@ -124,8 +176,10 @@ class EngineLauncher:
     num_cpus: float
     num_gpus: float
     kwargs: dict[str, Any]  # EngineActor's keyword arguments, except `index`
+    node_wait_s: float = 300.0
 
     def launch(self, index: int) -> Any:
+        wait_for_places(self.group, self.node_wait_s)
         return (
             ray.remote(EngineActor)
             .options(
@@ -164,20 +218,22 @@ class Placement:
         _check_capacity(bundles)
         group = placement_group(bundles, strategy="PACK")
         ray.get(group.ready(), timeout=300)
-        train_at, engine_at = assign(probe_bundles(group), kinds)  # type: ignore[arg-type]
+        infos = probe_bundles(group, config.cluster.topology_label)
+        train_at, engine_at = assign(infos, kinds)  # type: ignore[arg-type]
         if colocated:
             engine_at = train_at[:n_engines]  # engine i shares train rank i's GPU
         share = 0.5 if colocated else 1.0
-        log.info(
-            "placement", mode=config.placement, train_bundles=train_at, engine_bundles=engine_at
-        )
+        layout = describe_layout(infos, train_at, engine_at)
+        log.info("placement", mode=config.placement, layout=layout)
+        add_to_manifest(Path(run_dir), "layout", layout)
 
         # On CPU, give each actor its share of cores so they do not oversubscribe the machine.
         threads = None if gpus else max(1, (os.cpu_count() or 1) // (n_train + n_engines))
         device = "cuda" if gpus else "cpu"
         common = {"config": config, "run_dir": run_dir, "device": device, "num_threads": threads}
+        wait = config.fault.node_wait_s
         train_launcher = TrainLauncher(
-            group, train_at, num_cpus=share, num_gpus=share if gpus else 0, kwargs=common
+            group, train_at, share, share if gpus else 0, kwargs=common, node_wait_s=wait
         )
         trainers = train_launcher.launch()
         engine_launcher = EngineLauncher(
@@ -186,20 +242,48 @@ class Placement:
             num_cpus=share,
             num_gpus=(share if colocated else config.rollout.gpus_per_engine) if gpus else 0,
             kwargs={**common, "record_routing": _record_routing(config)},
+            node_wait_s=wait,
         )
         handles = [engine_launcher.launch(i) for i in range(n_engines)]
+        # The coordinators live beside the driver (the head node, on a cluster): losing a
+        # worker node then costs its train ranks and engines, never the run's bookkeeping.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         engines: Any = (
             ray.remote(EngineGroup)
-            .options(num_cpus=0)
+            .options(num_cpus=0, scheduling_strategy=here)
             .remote(config.fault, run_dir, handles, engine_launcher)
         )
         rollout: Any = (
-            ray.remote(RolloutManager).options(num_cpus=0).remote(config, run_dir, engines)
+            ray.remote(RolloutManager)
+            .options(num_cpus=0, scheduling_strategy=here)
+            .remote(config, run_dir, engines)
         )
         # Surface constructor errors (bad checkpoint, missing file) here, not at the first step.
         ray.get([h.health.remote() for h in handles] + [rollout.flush.remote()])
         ray.get([t.flush.remote() for t in trainers] + [engines.connect.remote(rollout)])
         return cls(trainers, train_launcher, engines, rollout, group, colocated)
+
+
+def describe_layout(
+    infos: list[BundleInfo], train_at: list[int], engine_at: list[int]
+) -> list[dict[str, Any]]:
+    """Where each train rank and engine runs: node, IP, topology group, GPUs."""
+    by_index = {b.index: b for b in infos}
+
+    def where(role: str, rank: int, bundle: int) -> dict[str, Any]:
+        b = by_index[bundle]
+        return {
+            "role": role,
+            "rank": rank,
+            "node_id": b.node_id,
+            "node_ip": b.node_ip,
+            "topology": b.topology,
+            "gpus": list(b.gpu_ids),
+        }
+
+    return [where("train", r, b) for r, b in enumerate(train_at)] + [
+        where("engine", i, b) for i, b in enumerate(engine_at)
+    ]
 
 
 def _record_routing(config: RunConfig) -> ReplayMode:
