@@ -257,9 +257,9 @@ def test_cuda_handle_names_the_gpu_by_uuid() -> None:
     assert not handle.path and handle.rebuild is not None
     assert handle.args[6] == flat.device.index  # the sender's index, which `open` replaces
     assert handle.device_uuid == str(torch.cuda.get_device_properties(flat.device).uuid)
-    assert ipc._device_of(handle.device_uuid) == flat.device.index
+    assert ipc.device_of(handle.device_uuid) == flat.device.index
     with pytest.raises(RuntimeError, match="not visible here"):
-        ipc._device_of("GPU-00000000-0000-0000-0000-000000000000")
+        ipc.device_of("GPU-00000000-0000-0000-0000-000000000000")
     pickle.loads(pickle.dumps(handle))  # travels through Ray and queues
 
 

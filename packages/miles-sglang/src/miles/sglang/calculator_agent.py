@@ -19,6 +19,7 @@ from typing import Any
 
 from miles.core.config import RunConfig
 from miles.core.recipe import Recipe
+from miles.recipes.quickstart import CONFIG as QUICKSTART
 from miles.sglang.agents import AgentOutcome, AgentSession
 
 TOOL = "max"
@@ -79,27 +80,16 @@ class CalculatorAgent:
 # -- the recipe ----------------------------------------------------------------------------------
 
 CONFIG: dict[str, Any] = {
+    **QUICKSTART,
     "name": "quickstart-agent",
-    "seed": 0,
-    "steps": 30,
-    "mode": "sync",
-    "data": {"prompt_key": "prompt"},
     "rollout": {
-        "backend": "torch",
-        "engines": 1,
-        "prompts_per_step": 32,
-        "samples_per_prompt": 8,
-        "temperature": 1.0,
+        **QUICKSTART["rollout"],
         # One episode's tokens after the first prompt: a call, the tool's reply, an answer.
         "max_new_tokens": 24,
         "function": {"name": "agent", "agent": "calculator"},
     },
     "reward": {"name": "env"},
-    "algorithm": {"advantage": "grpo", "loss": "ppo_clip", "aggregation": "token_mean"},
-    "train": {"backend": "fsdp", "world_size": 1, "lr": 3.0e-3, "micro_batch_tokens": 4096},
-    "warmstart": {"steps": 100, "batch_size": 64},
     "eval": {"temperature": 0.0, "max_prompts": 128},
-    "checkpoint": {"keep_last": 1},
 }
 
 

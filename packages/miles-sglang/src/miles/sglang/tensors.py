@@ -29,7 +29,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from miles.core.weight_sync import Bucket
-from miles.torch.sync.ipc import IpcHandle
+from miles.torch.sync.ipc import IpcHandle, device_of
 
 # Positions in the arguments of `rebuild_cuda_tensor` (torch 2.x, as sglang patches them):
 # tensor size, stride, storage offset (elements) and the storage's device.
@@ -98,19 +98,9 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
     args_list = list(args)
     device = args_list[_DEVICE]
     if isinstance(device, str):
-        args_list[_DEVICE] = _device_index(device)
+        args_list[_DEVICE] = device_of(device)
     tensor: torch.Tensor = reductions.rebuild_cuda_tensor(*args_list)  # type: ignore[no-untyped-call]
     return tensor
-
-
-def _device_index(uuid: str) -> int:
-    for index in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
-            return index
-    raise PayloadRefused(
-        f"the bucket is on GPU {uuid}, which this server does not see: a colocated server must "
-        "share its trainer's GPU"
-    )
 
 
 _ALLOWED: dict[tuple[str, str], Any] = {

@@ -149,7 +149,7 @@ def open(handle: IpcHandle) -> torch.Tensor:
     # under any other CUDA_VISIBLE_DEVICES (an engine over several GPUs, Ray told not to
     # set it) the index names another GPU: an invalid ordinal, or a peer mapping on the
     # wrong device. The UUID is the same in every process, so map it to our own index.
-    args[_DEVICE_ARG] = _device_of(handle.device_uuid)
+    args[_DEVICE_ARG] = device_of(handle.device_uuid)
     tensor: torch.Tensor = handle.rebuild(*args)
     return tensor
 
@@ -199,7 +199,7 @@ def consume(
     del flat
 
 
-def _device_of(uuid: str) -> int:
+def device_of(uuid: str) -> int:
     """This process's index of the GPU with `uuid`."""
     for index in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(index).uuid) == uuid:
