@@ -107,7 +107,8 @@ def test_colocated_engine_shares_the_trainer_bundle(
     assert [r["weights/version"] for r in rows] == [1, 2, 3]
     assert rows[0]["train/rollout_logprob_abs_diff"] < 1e-4
     events = (run_dir / "events.jsonl").read_text()
-    assert '"train_bundles": [0], "engine_bundles": [0]' in events
+    layout = next(e["layout"] for e in read_jsonl(run_dir / "events.jsonl") if "layout" in e)
+    assert [(p["role"], p["bundle"]) for p in layout] == [("train", 0), ("engine", 0)]
     assert f'"offload": {"false" if offload == "never" else "true"}' in events
     _assert_every_sample_once(run_dir, 3)
 

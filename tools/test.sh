@@ -39,7 +39,7 @@ mypy_pid=$!
 workers=${MILES_TEST_WORKERS:-2}
 xdist=(); [ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 status=0
-echo "== pytest" && python -m pytest "${xdist[@]}" "$@" || status=$?
+echo "== pytest" && python -m pytest "${xdist[@]}" --durations=30 "$@" || status=$?
 echo "== mypy (every package)"
 if wait "$mypy_pid"; then cat "$mypy_log"; else cat "$mypy_log"; status=1; fi
 rm -f "$mypy_log"

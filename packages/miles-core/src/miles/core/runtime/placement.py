@@ -267,7 +267,7 @@ class Placement:
 def describe_layout(
     infos: list[BundleInfo], train_at: list[int], engine_at: list[int]
 ) -> list[dict[str, Any]]:
-    """Where each train rank and engine runs: node, IP, topology group, GPUs."""
+    """Where each train rank and engine runs: bundle, node, IP, topology group, GPUs."""
     by_index = {b.index: b for b in infos}
 
     def where(role: str, rank: int, bundle: int) -> dict[str, Any]:
@@ -275,6 +275,7 @@ def describe_layout(
         return {
             "role": role,
             "rank": rank,
+            "bundle": bundle,
             "node_id": b.node_id,
             "node_ip": b.node_ip,
             "topology": b.topology,
