@@ -35,6 +35,17 @@ def node_address() -> str:
 
 
 def free_port() -> int:
+    """A port free now; another process may take it before it is bound (see `reserve_port`)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def reserve_port() -> socket.socket:
+    """A socket holding a free port, bound but not listening, with SO_REUSEADDR: no other
+    process is given the port while it is held, yet a server that also sets SO_REUSEADDR (a
+    torch TCPStore does) binds it in this process. Close it once that server listens."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("", 0))
+    return s

@@ -9,6 +9,7 @@ runs the algorithm's batch preparation between the backend's logprobs and its tr
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -23,7 +24,12 @@ from miles.core.config import RunConfig
 from miles.core.factory import build_component
 from miles.core.plugins import get_plugin_manager
 from miles.core.protocols import AdvantageEstimator, PolicyLoss, TokenAdvantageEstimator
-from miles.core.runtime.process import flush_traces, free_port, init_actor_process, node_address
+from miles.core.runtime.process import (
+    flush_traces,
+    init_actor_process,
+    node_address,
+    reserve_port,
+)
 from miles.core.telemetry import attached, span
 from miles.core.types import PackedBatch
 from miles.core.weight_sync import SyncPlan
@@ -80,6 +86,7 @@ class TrainActor:
     ) -> None:
         init_actor_process(run_dir, role=f"train{rank}")
         self.rank, self.config, self.run_dir = rank, config, run_dir
+        self._sync_port: socket.socket | None = None  # held from sync_address to join_sync
         self.algorithm = build_algorithm(config)
         precision: Precision = build_component(Kind.PRECISION, config.precision, path="precision")
         setup = TrainSetup(
@@ -173,10 +180,23 @@ class TrainActor:
         return self.backend.weight_sync_plan(bucket_bytes)
 
     def sync_address(self) -> tuple[str, int]:
-        return node_address(), free_port()
+        """Where the sync group meets: this node's address (never localhost: engines may be on
+        other nodes) and a port held until rank 0's store listens on it, so concurrent runs on
+        one node never pick the same one."""
+        self._release_sync_port()
+        self._sync_port = reserve_port()
+        return node_address(), int(self._sync_port.getsockname()[1])
 
     def join_sync(self, host: str, port: int, world_size: int) -> None:
-        self.backend.join_weight_sync(host, port, world_size)
+        try:
+            self.backend.join_weight_sync(host, port, world_size)
+        finally:
+            self._release_sync_port()
+
+    def _release_sync_port(self) -> None:
+        held, self._sync_port = self._sync_port, None
+        if held is not None:
+            held.close()
 
     def leave_sync(self) -> None:
         self.backend.leave_weight_sync()
