@@ -47,12 +47,15 @@ class FakeServer:
                 try:
                     time.sleep(server.delay_s)
                     if n <= server.fail_first:
-                        self._send(server.fail_status, {"error": "overloaded"})
+                        status, reply = server.fail_status, {"error": "overloaded"}
                     else:
-                        self._send(200, server.answer(self.path, body))
+                        status, reply = 200, server.answer(self.path, body)
                 finally:
+                    # Out of flight before the reply goes: the client may send its next request
+                    # the moment it has the reply, before this thread runs again.
                     with server._lock:
                         server.in_flight -= 1
+                self._send(status, reply)
 
             def _send(self, status: int, payload: Any) -> None:
                 data = json.dumps(payload).encode()
