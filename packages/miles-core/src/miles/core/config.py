@@ -314,12 +314,16 @@ class PlannerConfig:
 
 @dataclass
 class ClusterConfig:
-    """How the Ray cluster's nodes are grouped (docs/cluster.md)."""
+    """How the run uses the Ray cluster's nodes (docs/cluster.md)."""
 
     # A Ray node label naming each node's group (rack, switch, NVLink domain), e.g. "rack" for
     # nodes started with `ray start --labels='{"rack": "r1"}'`. Train ranks fill one group's
     # nodes before the next, and engines take the places nearest rank 0. None: nodes only.
     topology_label: str | None = None
+    # Whether train ranks and engines get GPUs. auto: when the Ray cluster has GPUs (asked of the
+    # cluster, never the driver). cuda: the same, but a cluster without GPUs is an error rather
+    # than a run on CPUs. cpu: never, even on a GPU cluster.
+    device: Literal["auto", "cuda", "cpu"] = "auto"
 
 
 @dataclass

@@ -104,7 +104,10 @@ class Controller:
     def _start(self) -> None:
         start_ray(self.config, self.ray_address)
         if self.colocated:
-            gpu_mem = self.config.planner.gpu_mem_gb or cluster_gpu_memory_gb()
+            on_gpus = self.config.cluster.device != "cpu"
+            gpu_mem = self.config.planner.gpu_mem_gb or (
+                cluster_gpu_memory_gb() if on_gpus else None
+            )
             self.offload, why = colocated_offload(self.config, gpu_mem)
             log.info("colocated hand-over", offload=self.offload, reason=why)
         placement = Placement.create(self.config, str(self.run_dir))

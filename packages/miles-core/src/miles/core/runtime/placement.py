@@ -43,9 +43,17 @@ from miles.core.runtime.train_actor import TrainActor
 log = structlog.get_logger(__name__)
 
 
-def use_gpus() -> bool:
-    """GPU bundles when the Ray cluster has GPUs: the controller itself needs no CUDA."""
-    return bool(ray.cluster_resources().get("GPU", 0))  # type: ignore[no-untyped-call]
+def use_gpus(device: str = "auto") -> bool:
+    """GPU bundles when the Ray cluster has GPUs (`cluster.device`): the controller itself needs
+    no CUDA, so a driver on a CPU-only head node or a laptop drives a GPU cluster."""
+    have = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]
+    if device == "cuda" and not have:
+        raise RuntimeError(
+            "cluster.device=cuda, but the Ray cluster has no GPUs: start the GPU nodes "
+            "(`ray start --address=HEAD:PORT` on each; Ray finds their GPUs), or set "
+            "cluster.device=auto to run on CPUs"
+        )
+    return bool(have) and device != "cpu"
 
 
 def cluster_gpu_memory_gb() -> float | None:
@@ -205,7 +213,7 @@ class Placement:
 
     @classmethod
     def create(cls, config: RunConfig, run_dir: str) -> Placement:
-        gpus = use_gpus()
+        gpus = use_gpus(config.cluster.device)
         colocated = config.placement == "colocated"
         n_train, n_engines = config.train.world_size, config.rollout.engines
         train_bundle = {"CPU": 1, **({"GPU": 1} if gpus else {})}
