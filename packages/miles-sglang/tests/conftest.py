@@ -49,12 +49,16 @@ class Server:
             return status, text
 
 
-def start_server(model: str, tmp: Path, *args: str, port: int | None = None) -> Server:
+def start_server(
+    model: str, tmp: Path, *args: str, port: int | None = None, slow: bool = False
+) -> Server:
+    """`miles serve MODEL ARGS` on `port`; `slow`: its engine steps take 50 ms at least."""
     port = port or free_port()
     log = tmp / f"serve-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cli = [str(Path(__file__).parent / "slow_serve.py")] if slow else ["-m", "miles.core.cli"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "miles.core.cli", "serve", model, "--port", str(port), *args],
+        [sys.executable, *cli, "serve", model, "--port", str(port), *args],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         env=env,

@@ -165,7 +165,8 @@ def test_async_partial_rollouts_through_the_server(quickstart_model, tmp_path, s
     start_server, stop_server = serve_process
     # The paged path batches continuously (requests join running ones), as SGLang does: a pause
     # finds the batch mid-generation rather than queued behind a running one.
-    server = start_server(quickstart_model, tmp_path, "--engine-path", "paged")
+    # Its steps take 50 ms at least, so a batch outlasts a train step even on a loaded machine.
+    server = start_server(quickstart_model, tmp_path, "--engine-path", "paged", slow=True)
     run = tmp_path / "run"
     steps, prompts, samples = 4, 8, 4
     try:
@@ -310,7 +311,7 @@ def test_launched_servers_train_and_a_dead_one_is_relaunched(tmp_path):
     import time
 
     run = tmp_path / "run"
-    steps, prompts, samples = 16, 4, 4  # room for the relaunch, even on a loaded machine
+    steps, prompts, samples = 8, 4, 4
     proc = subprocess.Popen(
         [sys.executable, "-m", "miles.core.cli", "run", "quickstart", "--run-dir", str(run),
          "--set", "rollout.backend=sglang", "--set", "rollout.server=miles",
@@ -319,7 +320,8 @@ def test_launched_servers_train_and_a_dead_one_is_relaunched(tmp_path):
          "--set", f"rollout.prompts_per_step={prompts}",
          "--set", f"rollout.samples_per_prompt={samples}",
          "--set", "fault.backoff_s=0.1", "--set", "fault.backoff_max_s=1",
-         "--set", "fault.max_engine_restarts=30", "--set", "eval.data=null",
+         "--set", "fault.max_engine_restarts=30", "--set", "fault.health_check_s=1",
+         "--set", "eval.data=null",
          "--set", "telemetry.progress=false"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
@@ -336,7 +338,17 @@ def test_launched_servers_train_and_a_dead_one_is_relaunched(tmp_path):
             ["pgrep", "-P", str(supervisor)], capture_output=True, text=True
         ).stdout.split()
         assert len(children) == 1, children
-        os.kill(int(children[0]), signal.SIGKILL)  # the server itself dies, mid-run
+        # The driver holds still while the server dies and is relaunched (the engine group's
+        # health checks and restarts run in their own actors): however slow the relaunch, the
+        # run cannot end before it, and it goes on with the engine back.
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            os.kill(int(children[0]), signal.SIGKILL)  # the server itself dies, mid-run
+            while not any(e.get("fault") == "engine_restarted" for e in rows(run / "events.jsonl")):
+                assert time.monotonic() < deadline, "the engine was not restarted"
+                time.sleep(0.5)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-4000:]
     finally:
