@@ -56,6 +56,7 @@ LONGEST_FIRST = (
     "tests/test_rl_loop.py",  # ~190
     "tests/test_family_twins.py",  # ~165
     "tests/test_smollm2.py",  # ~150
+    "tests/test_cluster.py",  # ~150
 )
 
 

@@ -15,7 +15,7 @@ from miles.core.backends import Precision, RolloutEngine, RolloutSetup
 from miles.core.components import Kind
 from miles.core.config import ReplayMode, RunConfig
 from miles.core.factory import build_component
-from miles.core.runtime.process import flush_traces, init_actor_process
+from miles.core.runtime.process import flush_traces, init_actor_process, node_id
 from miles.core.telemetry import attached, span
 from miles.core.types import GenerateRequest, GenerateResult
 from miles.core.weight_sync import SyncPlan
@@ -121,7 +121,8 @@ class EngineActor:
         return self.engine.weight_version
 
     def health(self) -> dict[str, Any]:
-        return self.engine.health()
+        """The engine's health, and the Ray node it runs on."""
+        return {**self.engine.health(), "node_id": node_id()}
 
     def flush(self) -> None:
         """Sends this process's buffered spans (OTLP batches) on, e.g. before the run ends."""

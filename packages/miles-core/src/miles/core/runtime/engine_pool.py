@@ -113,13 +113,15 @@ class EnginePool:
                 # Blocks while a lost node's bundle waits for a place (up to fault.node_wait_s).
                 handle = await asyncio.to_thread(self.launcher.launch, slot.index)
             except Exception as exc:
-                slot.last_error = f"restart failed: {type(exc).__name__}: {exc}"
+                self._restart_failed(slot, exc)
                 continue
             try:
                 # A new engine loads its model first (minutes, for a large one).
-                await asyncio.wait_for(_ref(handle.health.remote()), self.fault.start_timeout_s)
+                health = await asyncio.wait_for(
+                    _ref(handle.health.remote()), self.fault.start_timeout_s
+                )
             except Exception as exc:
-                slot.last_error = f"restart failed: {type(exc).__name__}: {exc}"
+                self._restart_failed(slot, exc)
                 self.kill(handle)
                 continue
             slot.handle, slot.state = handle, "stale"
@@ -128,9 +130,19 @@ class EnginePool:
                 "engine restarted; it rejoins at the next weight sync",
                 fault="engine_restarted",
                 engine=slot.index,
+                node_id=health.get("node_id") if isinstance(health, dict) else None,
             )
             self.on_change()
             return
+
+    def _restart_failed(self, slot: EngineSlot, exc: Exception) -> None:
+        slot.last_error = f"restart failed: {type(exc).__name__}: {exc}"
+        log.warning(
+            "engine restart failed; trying again",
+            engine=slot.index,
+            attempt=slot.restarts,
+            error=slot.last_error[:500],
+        )
 
     def _drop(self, slot: EngineSlot) -> None:
         """Past its restart budget: the run goes on without the engine, unless it was the last."""

@@ -255,7 +255,11 @@ class Placement:
         handles = [engine_launcher.launch(i) for i in range(n_engines)]
         # The coordinators live beside the driver (the head node, on a cluster): losing a
         # worker node then costs its train ranks and engines, never the run's bookkeeping.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # Hard affinity: a soft one lets Ray put them on any node when the driver's offers no
+        # CPUs (a head started with --num-cpus=0), even though they ask for none.
+        driver_node = ray.get_runtime_context().get_node_id()
+        add_to_manifest(Path(run_dir), "coordinator_node_id", driver_node)
+        here = NodeAffinitySchedulingStrategy(driver_node, soft=False)
         engines: Any = (
             ray.remote(EngineGroup)
             .options(num_cpus=0, scheduling_strategy=here)

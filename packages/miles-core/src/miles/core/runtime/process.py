@@ -30,6 +30,11 @@ def flush_traces() -> None:
         provider.force_flush()
 
 
+def node_id() -> str:
+    """The Ray node this process runs on."""
+    return str(ray.get_runtime_context().get_node_id())
+
+
 def node_address() -> str:
     return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
 
