@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import TEST_MODULES, read_jsonl, run_miles, write_config
+from .conftest import read_jsonl, run_miles, write_config
 
 REQUIRED_METRICS = {
     "step",
@@ -174,58 +174,3 @@ def test_training_moves_the_policy(finished_run: Path, tiny_assets: dict[str, st
     tokens = torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(0))
     shift = (_logprobs(trained, tokens) - _logprobs(tiny_assets["model"], tokens)).abs()
     assert shift.max() > 1e-3
-
-
-def test_joins_an_existing_ray_cluster(tmp_path: Path, tiny_assets: dict[str, str]) -> None:
-    """--ray-address joins a running cluster instead of starting one."""
-    import os
-    import secrets
-    import shutil
-    import signal
-    import subprocess
-    import sys
-    import threading
-
-    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable))
-    assert ray_cli, "the ray CLI comes with ray"
-    # A cluster with its own token, as a shared cluster would have; both sides read it from env.
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
-    # `--block` keeps `ray start` in the foreground, in a session of its own with the cluster's
-    # processes: stopping that session stops this cluster only (`ray stop` would stop every Ray
-    # on the machine, other tests' included).
-    head = subprocess.Popen(
-        [
-            *(ray_cli, "start", "--head", "--block"),
-            *("--num-cpus=2", "--port=0", "--include-dashboard=false"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        # The cluster's workers must be able to import the run's code, as on a real cluster.
-        env={**os.environ, **auth, "PYTHONPATH": str(TEST_MODULES)},
-        start_new_session=True,
-    )
-    try:
-        address, seen = None, []
-        assert head.stdout is not None
-        for line in head.stdout:
-            seen.append(line)
-            if "ray start --address=" in line:
-                address = line.split("'")[1]
-                break
-        assert address, "".join(seen)[-4000:]
-        # Keep reading what it prints, so a full pipe never blocks it.
-        threading.Thread(target=head.stdout.read, daemon=True).start()
-        cfg = write_config(tmp_path / "cfg.yaml", tiny_assets, steps=1)
-        proc = run_miles(
-            "run", str(cfg), "--run-dir", str(tmp_path / "run"), "--ray-address", address, env=auth
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0]
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops its cluster on SIGTERM
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
