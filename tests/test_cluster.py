@@ -34,7 +34,10 @@ class LocalCluster:
             **os.environ,
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": secrets.token_hex(16),
-            "PYTHONPATH": str(TEST_MODULES),  # workers import the run's code, as on a cluster
+            # Workers import the run's code, as on a cluster (and whatever the path had).
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(TEST_MODULES), os.environ.get("PYTHONPATH", "")) if p
+            ),
         }
         self.logs = logs
         self.logs.mkdir(parents=True, exist_ok=True)
