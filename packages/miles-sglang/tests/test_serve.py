@@ -76,14 +76,31 @@ def test_batches_text_stream_and_stop_reasons(server):
     first, second = (server.call("/generate", body)[1] for _ in range(2))
     assert first["output_ids"] == second["output_ids"]
     assert isinstance(first["text"], str)
-    status, text = server.call("/generate", {**body, "stream": True})
+    # Streamed as SGLang streams by default: each chunk is the answer so far (finish_reason
+    # null), the last one the whole answer, then [DONE].
+    long = {**body, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    whole = server.call("/generate", {**long, "return_logprob": True})[1]
+    status, text = server.call("/generate", {**long, "return_logprob": True, "stream": True})
     assert status == 200
     events = [line for line in text.split("\n\n") if line]
     assert events[-1] == "data: [DONE]"
     import json
 
-    streamed = json.loads(events[0].removeprefix("data: "))
-    assert streamed["output_ids"] == first["output_ids"]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    *partial, last = chunks
+    assert last["output_ids"] == whole["output_ids"]
+    assert last["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+    if len(whole["output_ids"]) > 4:
+        assert partial, "the stream sent the answer only at the end"
+    for chunk in partial:
+        ids = chunk["output_ids"]
+        assert chunk["meta_info"]["finish_reason"] is None
+        assert 0 < len(ids) < len(whole["output_ids"]) and ids == whole["output_ids"][: len(ids)]
+        logprobs = chunk["meta_info"]["output_token_logprobs"]
+        assert logprobs == whole["meta_info"]["output_token_logprobs"][: len(ids)]
+    assert [len(c["output_ids"]) for c in partial] == sorted(
+        {len(c["output_ids"]) for c in partial}
+    )
     # A stop token: the answer ends at it, and the finish reason names it.
     stop = first["output_ids"][2]
     out = server.call(

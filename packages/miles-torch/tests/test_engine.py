@@ -208,3 +208,32 @@ def test_cuda_matches_cpu_and_releases_memory(tiny_model):
     assert next(engine.model.parameters()).device.type == "cuda"
     assert engine.weights_checksum() == checksum
     assert len(list(engine.results(requests))) == len(requests)
+
+
+@pytest.mark.parametrize("path", ["hf", "paged"])
+def test_progress_reports_each_requests_tokens_after_every_step(tiny_model, path):
+    """on_progress (what `miles serve` streams) sees every unfinished request's tokens after
+    each model step: growing prefixes of what the request ends with, logprobs included."""
+    engine = TorchRolloutEngine(tiny_model("qwen3"), path=path)
+    budgets = {0: 8, 1: 3}
+    requests = [
+        GenerateRequest(i, [5, 6, 7 + i], SamplingParams(temperature=0.0, max_new_tokens=n))
+        for i, n in budgets.items()
+    ]
+    seen: dict[int, list[tuple[list[int], list[float]]]] = {0: [], 1: []}
+
+    def progress(request_id: int, ids: list[int], logprobs: list[float]) -> None:
+        seen[request_id].append((list(ids), list(logprobs)))
+
+    done = by_id(r for batch in engine.generate(requests, on_progress=progress) for r in batch)
+    for i, result in done.items():
+        snapshots = seen[i]
+        lengths = [len(ids) for ids, _ in snapshots]
+        if path == "hf":  # one token per step: a snapshot at each length before the last
+            assert lengths == list(range(1, len(result.response_ids)))
+        else:  # a decode step may run a burst of several tokens
+            assert lengths and lengths == sorted(set(lengths))
+            assert lengths[-1] < len(result.response_ids)
+        for ids, logprobs in snapshots:
+            assert ids == result.response_ids[: len(ids)]
+            assert logprobs == result.logprobs[: len(ids)]

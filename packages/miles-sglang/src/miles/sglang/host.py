@@ -30,6 +30,8 @@ from typing import Any
 from miles.core.types import GenerateRequest, GenerateResult, SamplingParams
 
 Deliver = Callable[["Finished"], None]
+# A streamed prompt's response so far (ids, logprobs), after each model step.
+OnTokens = Callable[[list[int], list[float]], None]
 
 
 class QueueFull(RuntimeError):
@@ -62,6 +64,7 @@ class _Job:
     prompt_ids: list[int]
     sampling: SamplingParams
     deliver: Deliver
+    on_tokens: OnTokens | None = None  # streamed: told the tokens so far after each step
     started: float = field(default_factory=time.perf_counter)
     # Tokens made before a retraction; the next engine call continues after them.
     done_ids: list[int] = field(default_factory=list)
@@ -95,12 +98,17 @@ class EngineHost:
     # -- requests ------------------------------------------------------------------------------
 
     def submit(
-        self, rid: str, prompt_ids: list[int], sampling: SamplingParams, deliver: Deliver
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        deliver: Deliver,
+        on_tokens: OnTokens | None = None,
     ) -> None:
         if self.paused:
             raise NotServing("generation is paused: POST /continue_generation first")
         try:
-            self._queue.put_nowait(_Job(rid, list(prompt_ids), sampling, deliver))
+            self._queue.put_nowait(_Job(rid, list(prompt_ids), sampling, deliver, on_tokens))
         except queue.Full:
             raise QueueFull(
                 f"{self._queue.maxsize} requests are queued already (--max-queue); retry later"
@@ -163,8 +171,11 @@ class EngineHost:
         thread.start()
 
     def _work(self, requests: list[GenerateRequest]) -> None:
+        with self._lock:
+            streamed = any(self._running[r.request_id].on_tokens for r in requests)
         try:
-            for finished in self.engine.generate(requests):
+            progress = {"on_progress": self._progress} if streamed else {}
+            for finished in self.engine.generate(requests, **progress):
                 for result in finished:
                     self._finish(result)
         except Exception as exc:
@@ -183,6 +194,13 @@ class EngineHost:
                 self._workers -= 1
                 self._lock.notify_all()
             self._slots.release()
+
+    def _progress(self, request_id: int, response_ids: list[int], logprobs: list[float]) -> None:
+        """After a model step (on the engine's thread): a streamed prompt's tokens so far,
+        joined to what it made before a retraction."""
+        job = self._running.get(request_id)
+        if job is not None and job.on_tokens is not None:
+            job.on_tokens(job.done_ids + response_ids, job.done_logprobs + logprobs)
 
     def _finish(self, result: GenerateResult) -> None:
         with self._lock:

@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from miles.core.types import SamplingParams
 from miles.sglang import openai
 from miles.sglang import protocol as wire
-from miles.sglang.host import EngineHost, Finished, NotServing, QueueFull
+from miles.sglang.host import EngineHost, Finished, NotServing, OnTokens, QueueFull
 from miles.sglang.protocol import BadRequest, GenerateItem
 from miles.sglang.tensors import PayloadRefused, load_named_tensors
 from miles.sglang.weights import UpdateGroup, check_update, safetensors_weights
@@ -126,11 +126,14 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
             )
         _check_serving(state)
         prompts = [_prompt_ids(state, item) for item in call.items]
-        waits = [_submit(state, item, ids) for item, ids in zip(call.items, prompts, strict=True)]
-        if call.stream:
+        if call.stream:  # one prompt (the parser refuses a streamed batch)
+            item, ids = call.items[0], prompts[0]
+            progress = _Progress(asyncio.get_running_loop())
+            wait = _submit(state, item, ids, progress.update)
             return StreamingResponse(
-                _stream(state, call.items[0], waits[0]), media_type="text/event-stream"
+                _stream(state, item, len(ids), wait, progress), media_type="text/event-stream"
             )
+        waits = [_submit(state, item, ids) for item, ids in zip(call.items, prompts, strict=True)]
         done = await asyncio.gather(*waits)
         answers = [_answer(state, item, f) for item, f in zip(call.items, done, strict=True)]
         return JSONResponse(answers if call.batch else answers[0])
@@ -512,7 +515,9 @@ def _prompt_ids(state: _State, item: GenerateItem) -> list[int]:
     return ids
 
 
-def _submit(state: _State, item: GenerateItem, prompt_ids: list[int]) -> asyncio.Future[Finished]:
+def _submit(
+    state: _State, item: GenerateItem, prompt_ids: list[int], on_tokens: OnTokens | None = None
+) -> asyncio.Future[Finished]:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Finished] = loop.create_future()
 
@@ -535,7 +540,7 @@ def _submit(state: _State, item: GenerateItem, prompt_ids: list[int]) -> asyncio
         stop_strings=s.stop,
         seed=s.seed,
     )
-    state.host.submit(item.rid, prompt_ids, sampling, deliver)
+    state.host.submit(item.rid, prompt_ids, sampling, deliver, on_tokens)
     return future
 
 
@@ -615,15 +620,71 @@ def _answer(state: _State, item: GenerateItem, done: Finished) -> dict[str, Any]
     return {"text": text, "output_ids": list(done.response_ids), "meta_info": meta}
 
 
+class _Progress:
+    """A streamed prompt's latest tokens, handed from the engine's thread to the event loop.
+    Only the newest state is kept: a slow client gets fewer, fuller chunks."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.changed = asyncio.Event()
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+
+    def update(self, ids: list[int], logprobs: list[float]) -> None:  # on the engine's thread
+        snapshot = (list(ids), list(logprobs))
+        self._loop.call_soon_threadsafe(self._set, snapshot)
+
+    def _set(self, snapshot: tuple[list[int], list[float]]) -> None:
+        self.ids, self.logprobs = snapshot
+        self.changed.set()
+
+
 async def _stream(
-    state: _State, item: GenerateItem, wait: asyncio.Future[Finished]
+    state: _State,
+    item: GenerateItem,
+    prompt_tokens: int,
+    wait: asyncio.Future[Finished],
+    progress: _Progress,
 ) -> AsyncIterator[bytes]:
-    """Server-sent events: the engine yields a prompt's tokens when it finishes, so the stream is
-    one event with the whole answer, then `[DONE]` (a client that accumulates chunks reads the
-    same answer as from SGLang)."""
-    done = await wait
-    yield f"data: {json.dumps(_answer(state, item, done))}\n\n".encode()
+    """Server-sent events as SGLang sends them by default: each chunk holds the whole answer so
+    far (text, output_ids, output_token_logprobs) with finish_reason null, the last one the
+    finished answer; then `[DONE]`."""
+    while not wait.done():
+        changed = asyncio.ensure_future(progress.changed.wait())
+        either: list[asyncio.Future[Any]] = [wait, changed]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        changed.cancel()
+        if progress.changed.is_set() and not wait.done():
+            progress.changed.clear()
+            chunk = _partial(state, item, prompt_tokens, progress.ids, progress.logprobs)
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+    yield f"data: {json.dumps(_answer(state, item, wait.result()))}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+
+def _partial(
+    state: _State, item: GenerateItem, prompt_tokens: int, ids: list[int], logprobs: list[float]
+) -> dict[str, Any]:
+    """A streamed chunk before the end: the answer so far, finish_reason null."""
+    tok, s = state.tokenizer, item.sampling
+    meta: dict[str, Any] = {
+        "id": item.rid,
+        "finish_reason": None,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(ids),
+        "weight_version": state.version_label,
+    }
+    if item.return_logprob:
+        meta["output_token_logprobs"] = [
+            [float(lp), int(t), tok.decode([t]) if item.return_text_in_logprobs else None]
+            for lp, t in zip(logprobs, ids, strict=True)
+        ]
+    text = tok.decode(
+        ids,
+        skip_special_tokens=s.skip_special_tokens,
+        spaces_between_special_tokens=s.spaces_between_special_tokens,
+    )
+    return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 
 def _load(state: _State, tensors: Any) -> None:

@@ -16,7 +16,7 @@ import base64
 import binascii
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,9 @@ from miles.torch.routing import RoutingRecorder, index_dtype, router_adapter
 from miles.torch.sync.checksum import tensors_checksum
 from miles.torch.sync.receiver import WeightReceiver
 from miles.torch.weights import named_state
+
+# (request id, response ids so far, their logprobs): a request's progress after a model step.
+Progress = Callable[[int, list[int], list[float]], None]
 
 
 def _rows(weights: torch.Tensor | None, i: int, width: int, n: int) -> torch.Tensor | None:
@@ -148,10 +151,14 @@ class TorchRolloutEngine:
     def tokenizer(self) -> Any:
         return self._tokenizer
 
-    def generate(self, requests: list[GenerateRequest]) -> Iterator[list[GenerateResult]]:
+    def generate(
+        self, requests: list[GenerateRequest], on_progress: Progress | None = None
+    ) -> Iterator[list[GenerateResult]]:
         """Stream the results of the requests as they finish, those finished by the same model
         step together (one message each, not one per request); argument checks run now, not
-        lazily. `results` streams them one by one."""
+        lazily. `results` streams them one by one. `on_progress(request_id, response_ids,
+        logprobs)` sees each unfinished request's tokens so far after every model step (the
+        lists are the engine's own: copy what you keep)."""
         if self._paused:
             raise RuntimeError("engine is paused: call resume() before generate()")
         if self._released:
@@ -161,15 +168,17 @@ class TorchRolloutEngine:
                 raise ValueError(f"request {r.request_id}: empty prompt")
             if r.sampling.max_new_tokens < 0:
                 raise ValueError(f"request {r.request_id}: max_new_tokens must be >= 0")
-        return self._run(list(requests))
+        return self._run(list(requests), on_progress)
 
     def results(self, requests: list[GenerateRequest]) -> Iterator[GenerateResult]:
         """`generate`, one result at a time."""
         return (result for finished in self.generate(requests) for result in finished)
 
-    def _run(self, requests: list[GenerateRequest]) -> Iterator[list[GenerateResult]]:
+    def _run(
+        self, requests: list[GenerateRequest], on_progress: Progress | None
+    ) -> Iterator[list[GenerateResult]]:
         if self._paged is not None:
-            yield from self._run_paged(self._paged, requests)
+            yield from self._run_paged(self._paged, requests, on_progress)
             return
         pending = deque(r for r in requests if r.sampling.max_new_tokens > 0)
         empty = [self._result(Row(r), "length") for r in requests if not r.sampling.max_new_tokens]
@@ -187,11 +196,14 @@ class TorchRolloutEngine:
             # Yield outside the lock and inference mode: the consumer runs while we are suspended.
             with self._lock, torch.inference_mode():
                 batches, finished = self._step(batches, pending)
+            if on_progress is not None:
+                for row in (row for batch in batches for row in batch.rows if not row.done):
+                    on_progress(row.request.request_id, row.response, row.logprobs)
             if finished:
                 yield finished
 
     def _run_paged(
-        self, runner: PagedRunner, requests: list[GenerateRequest]
+        self, runner: PagedRunner, requests: list[GenerateRequest], on_progress: Progress | None
     ) -> Iterator[list[GenerateResult]]:
         """The paged loop: this call's requests join the runner's shared schedule; any call's
         step advances every running request, and each call yields its own as they finish."""
@@ -210,6 +222,10 @@ class TorchRolloutEngine:
                 if not any(s.status is Status.FINISHED for s in pending):
                     runner.step()
             finished = [s for s in pending if s.status is Status.FINISHED]
+            if on_progress is not None:
+                for seq in pending:
+                    if seq.status is not Status.FINISHED and seq.response:
+                        on_progress(seq.request.request_id, seq.response, seq.logprobs)
             if finished:
                 pending = [s for s in pending if s.status is not Status.FINISHED]
                 yield [self._paged_result(s) for s in finished]
