@@ -112,6 +112,12 @@ class FakeEngine:
         self.health_calls += 1
         return {"ok": True, "paused": self.paused, "dtype": "float32"}
 
+    def checksum(self) -> str:
+        return f"weights-v{self.version}"
+
+    def weight_version(self) -> int:
+        return self.version
+
     def pause(self) -> None:
         self.log.append("pause")
         self.paused = True

@@ -59,7 +59,7 @@ def test_a_failed_engine_restarts_stale_and_is_ready_after_a_sync() -> None:
         pool.fail(1, 0, "a report about the engine that was replaced")
         assert slot.state == "stale"
         assert [s.index for s in pool.ready()] == [0] and [s.index for s in pool.alive()] == [0, 1]
-        pool.mark_synced()
+        pool.mark_synced([(0, 0), (1, 1)])
         assert [s.index for s in pool.ready()] == [0, 1] and pool.restarts_total == 1
         assert len(changes) >= 3  # down, stale, ready
 
@@ -228,5 +228,33 @@ def test_every_engine_restarted_needs_a_resend(group: Any) -> None:
         while g.pool.slots[0].state != "stale":
             await asyncio.sleep(0.01)
         assert g.needs_recovery() is True
+
+    asyncio.run(main())
+
+
+def test_an_engine_restarted_after_the_members_were_fixed_stays_stale(group: Any) -> None:
+    """Engine 1 comes back while a sync is under way (its members already fixed): the sync's
+    end makes the members ready, not it; verification asks the members only; the next update
+    rebuilds the group with it."""
+
+    async def main() -> None:
+        g, _, sub = group()
+        await g.connect(FakeHandle(sub))
+        await g.begin_update()
+        g.sync_world()
+        await g.end_update()
+        g.engine_failed(0, 0, "ActorDiedError")
+        g.engine_failed(1, 0, "ActorDiedError")
+        while g.pool.slots[0].state != "stale" or g.pool.slots[1].state != "stale":
+            await asyncio.sleep(0.01)
+        g.pool.slots[1].state = "down"  # as if engine 1 were still restarting...
+        await g.begin_update()
+        assert g.sync_world() == 2  # ...when the members are fixed: the trainer and engine 0
+        g.pool.slots[1].state = "stale"  # it is back before the sync ends
+        await g.end_update()
+        assert [s.state for s in g.pool.slots] == ["ready", "stale"]
+        assert [(r.index, r.generation) for r in sub.routes[-1].ready] == [(0, 1)]
+        assert len(await g.weights()) == 1  # only the sync's member is checked
+        assert await g.begin_update() is True  # the next update takes engine 1 in
 
     asyncio.run(main())

@@ -320,7 +320,7 @@ def test_launched_servers_train_and_a_dead_one_is_relaunched(tmp_path):
          "--set", f"rollout.prompts_per_step={prompts}",
          "--set", f"rollout.samples_per_prompt={samples}",
          "--set", "fault.backoff_s=0.1", "--set", "fault.backoff_max_s=1",
-         "--set", "fault.max_engine_restarts=30", "--set", "fault.health_check_s=1",
+         "--set", "fault.max_engine_restarts=30", "--set", "fault.health_check_s=5",
          "--set", "eval.data=null",
          "--set", "telemetry.progress=false"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

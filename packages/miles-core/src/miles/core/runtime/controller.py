@@ -324,6 +324,8 @@ class Controller:
                     final = {**final, **end_eval}
                     self.metrics.log(cfg.steps, end_eval)
             status = "completed"
+            # The summary counts every engine fault of the run, also one after the last batch.
+            final = {**final, **ray.get(self.engines.fault_counts.remote())}
             return RunResult(self.run_dir, cfg.steps, final)
         except KeyboardInterrupt:
             status = "interrupted"

@@ -69,6 +69,14 @@ class EngineGroup:
             dropped=pool.dropped_total,
         )
 
+    def fault_counts(self) -> dict[str, float]:
+        """The engine faults so far, as the metrics name them (the last step's row may predate
+        a restart that finished after its batch was taken)."""
+        return {
+            "fault/engine_restarts": float(self.pool.restarts_total),
+            "fault/engines_dropped": float(self.pool.dropped_total),
+        }
+
     def _publish(self) -> None:
         """A slot changed. During an update the dispatcher is held anyway, and the update's end
         pushes the routes; a fatal error goes out at once."""
@@ -126,7 +134,7 @@ class EngineGroup:
 
     async def end_update(self) -> None:
         """The members hold the new weights: stale engines are ready, everyone resumes."""
-        self.pool.mark_synced()
+        self.pool.mark_synced(self._members or [])
         await asyncio.gather(*(_quietly(s.handle.resume.remote()) for s in self._member_slots()))
         self._held = False
         await self._push()
@@ -190,8 +198,10 @@ class EngineGroup:
         return list(await asyncio.gather(*(one(s) for s in self.pool.alive())))
 
     async def weights(self) -> list[tuple[str, int]]:
-        """(checksum, weight version) of every alive engine, to verify a sync."""
-        alive = self.pool.alive()
+        """(checksum, weight version) of each engine of the last sync that is still alive, to
+        verify that sync (one restarted since holds the checkpoint's weights until the next)."""
+        members = set(self._members or [])
+        alive = [s for s in self.pool.alive() if (s.index, s.generation) in members]
         checksums = asyncio.gather(*(s.handle.checksum.remote() for s in alive))
         versions = asyncio.gather(*(s.handle.weight_version.remote() for s in alive))
         return list(zip(await checksums, await versions, strict=True))

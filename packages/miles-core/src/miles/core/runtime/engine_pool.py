@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -166,10 +166,14 @@ class EnginePool:
             )
         self.on_change()
 
-    def mark_synced(self) -> None:
-        """After a weight sync that included every alive engine: stale ones are ready now."""
+    def mark_synced(self, members: Iterable[tuple[int, int]]) -> None:
+        """After a weight sync: its members, (slot, generation) pairs, hold the new weights, so
+        the stale ones among them are ready. An engine restarted after the members were fixed
+        stays stale (its weights are the checkpoint's) until the next sync."""
+        synced = set(members)
         for slot in self.stale():
-            slot.state = "ready"
+            if (slot.index, slot.generation) in synced:
+                slot.state = "ready"
         self.on_change()
 
     # ── health checks ────────────────────────────────────────────────────────────────────────────
