@@ -6,6 +6,7 @@ worker whose raylet is killed mid-run costs its actors a restart elsewhere, not 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -77,20 +78,37 @@ class LocalCluster:
             time.sleep(0.2)
 
     def add_worker(self, cpus: int, rack: str, name: str, gpus: int = 0) -> subprocess.Popen[bytes]:
-        return self._start(
-            name,
+        """A worker node, started once the last one is up: Ray gives a raylet 30 s to register,
+        which several starting at once on a loaded machine can miss (then it is started
+        again)."""
+        args = (
             f"--address={self.address}",
             f"--num-cpus={cpus}",
             f"--num-gpus={gpus}",  # CPU nodes unless asked, even on a machine with a GPU
             f"--labels=rack={rack},name={name}",
         )
+        for _ in range(3):
+            node = self._start(name, *args)
+            deadline = time.monotonic() + 180
+            while node.poll() is None and time.monotonic() < deadline:
+                if "Ray runtime started" in (self.logs / f"{name}.log").read_text():
+                    return node
+                time.sleep(0.2)
+            self.kill(node)
+        raise AssertionError(f"worker {name} did not start:\n{self.output()}")
 
-    def wait_for_cpus(self, cpus: int) -> None:
+    def wait_for_cpus(self, cpus: int, node: str = "") -> None:
+        """Until the cluster offers `cpus` CPUs (and the node named `node` is up); then
+        `node_table` lists the nodes."""
         probe = (
             "import ray, time\n"
             f"ray.init(address={self.address!r}, log_to_driver=False)\n"
             "deadline = time.time() + 120\n"
-            f"while ray.cluster_resources().get('CPU', 0) < {cpus} and time.time() < deadline:\n"
+            "def up():\n"
+            f"    names = [n.get('Labels', {{}}).get('name') for n in ray.nodes() if n['Alive']]\n"
+            f"    return not {node!r} or {node!r} in names\n"
+            f"while (ray.cluster_resources().get('CPU', 0) < {cpus} or not up()) "
+            "and time.time() < deadline:\n"
             "    time.sleep(0.5)\n"
             "print(int(ray.cluster_resources().get('CPU', 0)))\n"
             "print(__import__('json').dumps([{'id': n['NodeID'], 'alive': n['Alive'], "
@@ -108,14 +126,14 @@ class LocalCluster:
 
     def kill(self, node: subprocess.Popen[bytes]) -> None:
         """The node dies: its raylet and every worker process on it, at once."""
-        os.killpg(node.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # nothing of it is left
+            os.killpg(node.pid, signal.SIGKILL)
         node.wait()
 
     def stop(self) -> None:
         """Every node at once (a graceful `ray stop` drains each for up to 30 s)."""
-        for node in self.nodes:
-            if node.poll() is None:
-                self.kill(node)
+        for node in self.nodes:  # a node's `ray start` may have exited and left processes
+            self.kill(node)
 
 
 @pytest.fixture
@@ -177,9 +195,9 @@ def _faults(run: Path, kind: str) -> list[dict[str, Any]]:
 
 
 def test_a_worker_node_lost_mid_run_costs_restarts_not_the_run(tmp_path, cluster):
-    """The engines' node dies (its raylet killed): Ray re-places their bundles on the spare
-    node, the engines restart there and rejoin the weight sync, and every sample is trained
-    exactly once."""
+    """The engines' node dies (its raylet killed): their restarts wait for a place until a spare
+    node joins, Ray re-places their bundles there, the engines restart on it and rejoin the
+    weight sync, and every sample is recorded once."""
     workers = {"w0": cluster.add_worker(2, "r1", "w0"), "w1": cluster.add_worker(2, "r1", "w1")}
     cluster.wait_for_cpus(4)
     run = tmp_path / "run"
@@ -201,11 +219,18 @@ def test_a_worker_node_lost_mid_run_costs_restarts_not_the_run(tmp_path, cluster
         try:
             layout = json.loads((run / "manifest.json").read_text())["layout"]
             engine_node = next(x["node_id"] for x in layout if x["role"] == "engine")
-            spare = cluster.add_worker(2, "r2", "spare")  # room for what the lost node held
-            cluster.wait_for_cpus(6)
             nodes = cluster.node_table
             name = next(n["labels"]["name"] for n in nodes if n["id"] == engine_node)
             cluster.kill(workers[name])
+            # No node has room for the lost engines: their restarts wait for a place...
+            while len(_faults(run, "engine_failed")) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+            time.sleep(3)
+            assert not _faults(run, "engine_restarted")
+            # ...which a node joining now gives them.
+            spare = cluster.add_worker(2, "r2", "spare")
+            cluster.wait_for_cpus(4, node="spare")
             while len(_faults(run, "engine_restarted")) < 2:
                 assert time.monotonic() < deadline, _faults(run, "engine_failed")
                 time.sleep(0.5)
@@ -214,6 +239,7 @@ def test_a_worker_node_lost_mid_run_costs_restarts_not_the_run(tmp_path, cluster
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0, out[-4000:]
         assert spare.poll() is None
+        assert "engine restarts" in out.split("faults survived:")[-1], out[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -271,3 +297,81 @@ def test_a_driver_without_cuda_runs_a_gpu_worker_nodes_gpus(tmp_path, cluster):
     assert all(x["node_id"] != head for x in layout)
     rows = [m for m in read_jsonl(run / "metrics.jsonl") if "rollout/reward_mean" in m]
     assert len(rows) == 4 and all(m["train/rollout_logprob_abs_diff"] < 1e-2 for m in rows)
+
+
+def test_the_train_ranks_node_lost_mid_run_restarts_the_train_group_on_a_new_node(
+    tmp_path, cluster
+):
+    """The node of both train ranks dies: the driver finds the train group gone at its next
+    call, waits for a place (a spare node joins 3 s later), starts the group there from the
+    newest snapshot (in /dev/shm, which every node on this machine sees), redoes the steps
+    since, and finishes; every sample is recorded once."""
+    workers = {"w0": cluster.add_worker(2, "r1", "w0"), "w1": cluster.add_worker(2, "r1", "w1")}
+    cluster.wait_for_cpus(4)
+    run = tmp_path / "run"
+    steps = 8
+    proc = _miles_run(
+        cluster, run, f"steps={steps}", "warmstart.steps=5", "eval.data=null",
+        "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "fault.backoff_s=0.5",
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not (run / "metrics.jsonl").is_file() or not read_jsonl(run / "metrics.jsonl"):
+            assert proc.poll() is None, proc.stdout.read()[-4000:] if proc.stdout else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGSTOP)  # the node dies before the run can end
+        try:
+            layout = json.loads((run / "manifest.json").read_text())["layout"]
+            train_node = next(x["node_id"] for x in layout if x["role"] == "train")
+            nodes = cluster.node_table
+            name = next(n["labels"]["name"] for n in nodes if n["id"] == train_node)
+            cluster.kill(workers[name])
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(3)
+        spare = cluster.add_worker(2, "r2", "spare")
+        out, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, out[-4000:]
+        assert spare.poll() is None
+        assert "train restart" in out.split("faults survived:")[-1], out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert len(_faults(run, "train_restarted")) == 1
+    rows = [m for m in read_jsonl(run / "metrics.jsonl") if "rollout/reward_mean" in m]
+    assert len(rows) == steps and "train/loss" in rows[-1]
+    assert rows[-1]["train/rollout_logprob_abs_diff"] < 1e-4  # the new group's weights synced
+    ledger = read_jsonl(run / "samples.jsonl")
+    ids = [r["sample_id"] for r in ledger]
+    assert len(ids) == len(set(ids)) and sorted(ids) == list(range(len(ids)))
+    assert {r["fate"] for r in ledger} <= {"trained", "stale"}
+
+
+def test_a_lost_node_that_no_node_replaces_fails_the_run_clearly(tmp_path, cluster):
+    """Nothing has room for the lost engines within fault.node_wait_s: each restart gives up,
+    and with no engine left the run stops, naming what it waited for."""
+    workers = [cluster.add_worker(2, "r1", "w0"), cluster.add_worker(2, "r1", "w1")]
+    cluster.wait_for_cpus(4)
+    run = tmp_path / "run"
+    proc = _miles_run(
+        cluster, run, "steps=200", "warmstart.steps=1", "eval.data=null",
+        "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "fault.backoff_s=0.2",
+        "fault.node_wait_s=3", "fault.max_engine_restarts=1",
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not (run / "metrics.jsonl").is_file() or not read_jsonl(run / "metrics.jsonl"):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        layout = json.loads((run / "manifest.json").read_text())["layout"]
+        engine_node = next(x["node_id"] for x in layout if x["role"] == "engine")
+        name = next(n["labels"]["name"] for n in cluster.node_table if n["id"] == engine_node)
+        cluster.kill(workers[0] if name == "w0" else workers[1])
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out[-3000:]
+    assert "found no place on the nodes left within fault.node_wait_s=3s" in out, out[-3000:]
+    assert "no rollout engine is left" in out and "Traceback" not in out, out[-3000:]
