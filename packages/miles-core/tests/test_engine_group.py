@@ -147,6 +147,14 @@ def group(monkeypatch: pytest.MonkeyPatch) -> Any:
     return make
 
 
+async def _sync(g: EngineGroup) -> bool:
+    """One whole weight update with every alive engine; whether it rebuilt the sync group."""
+    rebuilt = await g.begin_update()
+    g.sync_world()
+    await g.end_update()
+    return rebuilt
+
+
 def test_a_weight_update_holds_pauses_drains_then_resumes_and_releases(group: Any) -> None:
     async def main() -> None:
         g, engines, sub = group()
@@ -169,18 +177,14 @@ def test_a_restarted_engine_rejoins_at_the_next_sync(group: Any) -> None:
     async def main() -> None:
         g, _, sub = group()
         await g.connect(FakeHandle(sub))
-        await g.begin_update()
-        g.sync_world()
-        await g.end_update()
+        await _sync(g)
         g.engine_failed(0, 0, "ActorDiedError")
         await asyncio.sleep(0)  # the routes go out as a message
         assert [r.index for r in sub.routes[-1].ready] == [1]
         while g.pool.slots[0].state != "stale":
             await asyncio.sleep(0.01)
         assert [r.index for r in sub.routes[-1].ready] == [1]  # stale: no requests yet
-        assert await g.begin_update() is True  # membership changed: rebuild the sync group
-        g.sync_world()
-        await g.end_update()
+        assert await _sync(g) is True  # membership changed: the sync group was rebuilt
         routes = sub.routes[-1]
         assert [(r.index, r.generation) for r in routes.ready] == [(0, 1), (1, 0)]
         assert routes.restarts == 1
@@ -240,9 +244,7 @@ def test_an_engine_restarted_after_the_members_were_fixed_stays_stale(group: Any
     async def main() -> None:
         g, _, sub = group()
         await g.connect(FakeHandle(sub))
-        await g.begin_update()
-        g.sync_world()
-        await g.end_update()
+        await _sync(g)
         g.engine_failed(0, 0, "ActorDiedError")
         g.engine_failed(1, 0, "ActorDiedError")
         while g.pool.slots[0].state != "stale" or g.pool.slots[1].state != "stale":

@@ -66,11 +66,11 @@ def write_manifest(run_dir: Path, *, run_id: str, seed: int, plugins: list[dict[
     (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def add_to_manifest(run_dir: Path, key: str, value: Any) -> None:
-    """Sets one key of manifest.json (e.g. the actors' layout, known once they are placed)."""
+def add_to_manifest(run_dir: Path, **values: Any) -> None:
+    """Sets keys of manifest.json (e.g. the actors' layout, known once they are placed)."""
     path = run_dir / "manifest.json"
     manifest = json.loads(path.read_text()) if path.is_file() else {}
-    manifest[key] = value
+    manifest.update(values)
     path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 

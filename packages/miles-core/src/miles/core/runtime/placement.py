@@ -36,7 +36,7 @@ from miles.core.rundir import add_to_manifest
 from miles.core.runtime.bundles import BundleInfo, assign, probe_bundles
 from miles.core.runtime.engine_actor import MAX_CONCURRENCY, EngineActor
 from miles.core.runtime.engine_group import EngineGroup
-from miles.core.runtime.process import free_port, node_address
+from miles.core.runtime.process import free_port, node_address, node_id
 from miles.core.runtime.rollout_manager import RolloutManager
 from miles.core.runtime.train_actor import TrainActor
 
@@ -233,7 +233,6 @@ class Placement:
         share = 0.5 if colocated else 1.0
         layout = describe_layout(infos, train_at, engine_at)
         log.info("placement", mode=config.placement, layout=layout)
-        add_to_manifest(Path(run_dir), "layout", layout)
 
         # On CPU, give each actor its share of cores so they do not oversubscribe the machine.
         threads = None if gpus else max(1, (os.cpu_count() or 1) // (n_train + n_engines))
@@ -257,8 +256,8 @@ class Placement:
         # worker node then costs its train ranks and engines, never the run's bookkeeping.
         # Hard affinity: a soft one lets Ray put them on any node when the driver's offers no
         # CPUs (a head started with --num-cpus=0), even though they ask for none.
-        driver_node = ray.get_runtime_context().get_node_id()
-        add_to_manifest(Path(run_dir), "coordinator_node_id", driver_node)
+        driver_node = node_id()
+        add_to_manifest(Path(run_dir), layout=layout, coordinator_node_id=driver_node)
         here = NodeAffinitySchedulingStrategy(driver_node, soft=False)
         engines: Any = (
             ray.remote(EngineGroup)
