@@ -50,13 +50,13 @@ LONGEST_FIRST = (
     "tests/test_precisions.py",  # ~660
     "packages/miles-sglang/tests/test_sglang_backend.py",  # ~550
     "tests/test_chaos.py",  # ~290
+    "tests/test_cluster.py",  # ~290
     "tests/test_algorithm_runs.py",  # ~270
     "tests/test_observed_run.py",  # ~200
     "packages/miles-sglang/tests/test_agent.py",  # ~135
     "tests/test_rl_loop.py",  # ~190
     "tests/test_family_twins.py",  # ~165
     "tests/test_smollm2.py",  # ~150
-    "tests/test_cluster.py",  # ~150
 )
 
 

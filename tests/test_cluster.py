@@ -297,3 +297,83 @@ def test_a_driver_without_cuda_runs_a_gpu_worker_nodes_gpus(tmp_path, cluster):
     assert all(x["node_id"] != head for x in layout)
     rows = [m for m in read_jsonl(run / "metrics.jsonl") if "rollout/reward_mean" in m]
     assert len(rows) == 4 and all(m["train/rollout_logprob_abs_diff"] < 1e-2 for m in rows)
+
+
+def test_the_train_ranks_node_lost_mid_run_restarts_the_train_group_on_a_new_node(
+    tmp_path, cluster
+):
+    """The node of both train ranks dies: the driver finds the train group gone at its next
+    call, waits for a place (a spare node joins 3 s later), starts the group there from the
+    newest snapshot (in /dev/shm, which every node on this machine sees), redoes the steps
+    since, and finishes; every sample is recorded once."""
+    workers = {"w0": cluster.add_worker(2, "r1", "w0"), "w1": cluster.add_worker(2, "r1", "w1")}
+    cluster.wait_for_cpus(4)
+    run = tmp_path / "run"
+    steps = 24  # seconds of steps: the run is still going when its first row is seen
+    proc = _miles_run(
+        cluster, run, f"steps={steps}", "warmstart.steps=5", "eval.data=null",
+        "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "fault.backoff_s=0.5",
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not (run / "metrics.jsonl").is_file() or not read_jsonl(run / "metrics.jsonl"):
+            assert proc.poll() is None, proc.stdout.read()[-4000:] if proc.stdout else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGSTOP)  # the node dies before the run can end
+        try:
+            layout = json.loads((run / "manifest.json").read_text())["layout"]
+            train_node = next(x["node_id"] for x in layout if x["role"] == "train")
+            nodes = cluster.node_table
+            name = next(n["labels"]["name"] for n in nodes if n["id"] == train_node)
+            cluster.kill(workers[name])
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(3)
+        spare = cluster.add_worker(2, "r2", "spare")
+        out, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, out[-4000:]
+        assert spare.poll() is None
+        assert "train restart" in out.split("faults survived:")[-1], out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert len(_faults(run, "train_restarted")) == 1
+    rows = [m for m in read_jsonl(run / "metrics.jsonl") if "rollout/reward_mean" in m]
+    assert len(rows) == steps and "train/loss" in rows[-1]
+    assert rows[-1]["train/rollout_logprob_abs_diff"] < 1e-4  # the new group's weights synced
+    ledger = read_jsonl(run / "samples.jsonl")
+    ids = [r["sample_id"] for r in ledger]
+    assert len(ids) == len(set(ids)) and sorted(ids) == list(range(len(ids)))
+    assert {r["fate"] for r in ledger} <= {"trained", "stale"}
+
+
+def test_a_lost_node_that_no_node_replaces_fails_the_run_clearly(tmp_path, cluster):
+    """Nothing has room for the lost engines within fault.node_wait_s: each restart gives up,
+    and with no engine left the run stops, naming what it waited for."""
+    workers = [cluster.add_worker(2, "r1", "w0"), cluster.add_worker(2, "r1", "w1")]
+    cluster.wait_for_cpus(4)
+    run = tmp_path / "run"
+    proc = _miles_run(
+        cluster, run, "steps=200", "warmstart.steps=1", "eval.data=null",
+        "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "fault.backoff_s=0.2",
+        "fault.node_wait_s=3", "fault.max_engine_restarts=1",
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not (run / "metrics.jsonl").is_file() or not read_jsonl(run / "metrics.jsonl"):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        layout = json.loads((run / "manifest.json").read_text())["layout"]
+        engine_node = next(x["node_id"] for x in layout if x["role"] == "engine")
+        name = next(n["labels"]["name"] for n in cluster.node_table if n["id"] == engine_node)
+        cluster.kill(workers[0] if name == "w0" else workers[1])
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out[-3000:]
+    assert "found no place on the nodes left within fault.node_wait_s=3s" in out, out[-3000:]
+    # What a person reads (the log's JSON lines aside) holds no traceback.
+    said = "\n".join(line for line in out.splitlines() if not line.startswith("{"))
+    assert "no rollout engine is left" in said and "Traceback" not in said, said[-3000:]

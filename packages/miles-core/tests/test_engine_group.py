@@ -5,6 +5,7 @@ manager's dispatcher, in the order a weight update needs them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -21,20 +22,31 @@ FAST = FaultConfig(health_check_s=0.05, backoff_s=0.01, max_engine_restarts=2)
 
 
 class Launcher:
-    """Starts a fresh fake engine for a slot; `broken` slots fail their health check."""
+    """Starts a fresh fake engine for a slot. `broken` slots fail their health check; a slot in
+    `on_dead_node` fails it once, its node found dead afterwards (Ray noticed the death late)."""
 
     def __init__(self) -> None:
         self.launched: list[int] = []
         self.broken: set[int] = set()
+        self.on_dead_node: set[int] = set()
+        self.node_of: dict[int, str] = {}
         self.engines: list[FakeEngine] = []
 
     def launch(self, index: int) -> Any:
         self.launched.append(index)
         engine = FakeEngine()
-        if index in self.broken:
+        self.node_of[index] = "alive"
+        if index in self.on_dead_node:
+            self.on_dead_node.discard(index)
+            self.node_of[index] = "dead"
+            engine.health = lambda: (_ for _ in ()).throw(RuntimeError("its node has died"))  # type: ignore[method-assign]
+        elif index in self.broken:
             engine.health = lambda: (_ for _ in ()).throw(RuntimeError("CUDA error"))  # type: ignore[method-assign]
         self.engines.append(engine)
         return FakeHandle(engine)
+
+    def node_lost(self, index: int) -> bool:
+        return self.node_of.get(index) == "dead"
 
 
 def test_a_failed_engine_restarts_stale_and_is_ready_after_a_sync() -> None:
@@ -79,6 +91,22 @@ def test_past_its_restart_budget_the_last_engine_makes_the_run_fail() -> None:
             pool.check()
         assert "restart failed: RuntimeError: CUDA error" in str(err.value)
         assert "no rollout engine is left" in str(err.value)
+
+    asyncio.run(main())
+
+
+def test_a_restart_that_lands_on_a_dead_node_is_not_one_of_the_engines_restarts() -> None:
+    async def main() -> None:
+        launcher = Launcher()
+        launcher.on_dead_node.add(0)
+        fault = dataclasses.replace(FAST, max_engine_restarts=1)
+        pool = EnginePool(launcher, [FakeHandle(FakeEngine())], fault)
+        pool.fail(0, 0, "node died")
+        while pool.slots[0].state == "down":
+            await asyncio.sleep(0.01)
+        # Started twice: once where the node had died, once on a live node; one restart counted.
+        assert launcher.launched == [0, 0] and pool.slots[0].state == "stale"
+        assert (pool.slots[0].restarts, pool.restarts_total, pool.fatal) == (1, 1, None)
 
     asyncio.run(main())
 

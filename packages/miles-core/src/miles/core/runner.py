@@ -222,6 +222,9 @@ def run_from_cli(request: RunRequest) -> int:
         click.secho(f"interrupted; resume with: miles run --resume --run-dir {run_dir}", err=True)
         return 130
     except Exception as exc:
+        # The error is reported here, once: results the failed run left unread would each print
+        # theirs again (Ray's "Unhandled error") as they are dropped.
+        os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
         log.error("run failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         cause = getattr(exc, "cause", None) or exc  # a worker's own exception, not Ray's wrapper
         click.secho(f"error: the run failed: {type(cause).__name__}: {cause}", fg="red", err=True)

@@ -36,6 +36,10 @@ class Launcher(Protocol):
 
     def launch(self, index: int) -> Any: ...
 
+    def node_lost(self, index: int) -> bool:
+        """Whether the node engine `index` was last started on has died since."""
+        ...
+
 
 @dataclass
 class EngineSlot:
@@ -121,8 +125,17 @@ class EnginePool:
                     _ref(handle.health.remote()), self.fault.start_timeout_s
                 )
             except Exception as exc:
-                self._restart_failed(slot, exc)
                 self.kill(handle)
+                if self.launcher.node_lost(slot.index):
+                    # Ray had not yet noticed a node's death and started the engine in the dead
+                    # node's bundle: not a failure of the engine's, so not one of its restarts.
+                    slot.restarts -= 1
+                    self.restarts_total -= 1
+                    log.warning(
+                        "engine restart landed on a dead node; placing it again", engine=slot.index
+                    )
+                    continue
+                self._restart_failed(slot, exc)
                 continue
             slot.handle, slot.state = handle, "stale"
             slot.generation += 1

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
 import structlog
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,
@@ -120,7 +120,24 @@ def wait_for_places(group: PlacementGroup, timeout_s: float) -> None:
 
 
 def _placed(table: dict[str, Any]) -> set[int]:
-    return {int(i) for i, node in (table.get("bundles_to_node_id") or {}).items() if node}
+    return set(_bundle_nodes(table))
+
+
+def _bundle_nodes(table: dict[str, Any]) -> dict[int, str]:
+    return {int(i): node for i, node in (table.get("bundles_to_node_id") or {}).items() if node}
+
+
+def bundle_node(group: PlacementGroup, bundle: int) -> str | None:
+    """The node Ray has placed `bundle` of `group` on (None: not placed)."""
+    return _bundle_nodes(placement_group_table(group)).get(bundle)
+
+
+def nodes_alive(nodes: set[str | None]) -> bool:
+    """Whether Ray counts every one of `nodes` alive. Ray notices a node's death seconds after
+    the fact (missed heartbeats): an actor started in that window, in a bundle still placed on the
+    dead node, dies without running, and this tells that apart from a failure of the actor's own."""
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # type: ignore[no-untyped-call]
+    return all(node in alive for node in nodes)
 
 
 @dataclass
@@ -135,26 +152,39 @@ class TrainLauncher:
     node_wait_s: float = 300.0
 
     def launch(self, tries: int = 3) -> list[Any]:
-        """The ranks, once each has started. The rendezvous port is free when picked, but another
-        process may take it before rank 0 binds it: then the group starts again on a new one."""
-        wait_for_places(self.group, self.node_wait_s)
-        for attempt in range(tries):
+        """The ranks, once each has started. The group starts again when a node of its bundles
+        died while it started (Ray had not noticed yet), and when the rendezvous port, free when
+        picked, was taken before rank 0 bound it (up to `tries` times)."""
+        port_tries = 0
+        while True:
+            wait_for_places(self.group, self.node_wait_s)
+            nodes = {bundle_node(self.group, b) for b in self.bundles}
             trainers = self._start()
             try:
                 ray.get([t.__ray_ready__.remote() for t in trainers])
                 return trainers
             except RayActorError as exc:
-                if "EADDRINUSE" not in str(exc) or attempt + 1 == tries:
+                if not nodes_alive(nodes):
+                    log.warning("a node of the train group died as it started; placing it again")
+                elif "EADDRINUSE" in str(exc) and port_tries + 1 < tries:
+                    port_tries += 1
+                    log.warning("the train rendezvous port was taken; starting again on another")
+                else:
                     return trainers  # a rank that did not start fails its first call: a lost rank
-                log.warning("the train rendezvous port was taken; starting again on another")
-                for trainer in trainers:
-                    ray.kill(trainer, no_restart=True)
-        return trainers
+            for trainer in trainers:
+                ray.kill(trainer, no_restart=True)
 
     def _start(self) -> list[Any]:
         # The rendezvous lives where rank 0 will run: ask a task in rank 0's bundle.
         probe = ray.remote(_address).options(num_cpus=0, scheduling_strategy=self._at(0))
-        master_addr, master_port = ray.get(probe.remote())
+        try:
+            master_addr, master_port = ray.get(probe.remote(), timeout=self.node_wait_s)
+        except GetTimeoutError:  # its node died, and the bundle found no other
+            raise NoPlaceError(
+                f"the train group's bundles found no live node within fault.node_wait_s="
+                f"{self.node_wait_s:g}s: add a node with their resources, or raise "
+                "fault.node_wait_s"
+            ) from None
         return [
             ray.remote(TrainActor)
             .options(
@@ -185,9 +215,11 @@ class EngineLauncher:
     num_gpus: float
     kwargs: dict[str, Any]  # EngineActor's keyword arguments, except `index`
     node_wait_s: float = 300.0
+    started_on: dict[int, str | None] = field(default_factory=dict)  # engine -> its last node
 
     def launch(self, index: int) -> Any:
         wait_for_places(self.group, self.node_wait_s)
+        self.started_on[index] = bundle_node(self.group, self.bundles[index])
         return (
             ray.remote(EngineActor)
             .options(
@@ -200,6 +232,11 @@ class EngineLauncher:
             )
             .remote(index=index, **self.kwargs)
         )
+
+    def node_lost(self, index: int) -> bool:
+        """Whether the node engine `index` was last started on has died: a start that failed
+        there failed for the node, not for the engine."""
+        return index in self.started_on and not nodes_alive({self.started_on[index]})
 
 
 @dataclass
