@@ -145,6 +145,7 @@ def make_engine(config, setup):
 class ChaosFSDPConfig(FSDPConfig):
     kill_at_train_step: int = 0  # the train_step call (in this process) that dies; 0: none
     marker: str = ""
+    step_delay_s: float = 0.0  # a slow trainer: this long per train_step
 
 
 def make_trainer(config, setup):
@@ -154,6 +155,7 @@ def make_trainer(config, setup):
         calls = 0
 
         def train_step(self, batch, loss):
+            time.sleep(config.step_delay_s)
             ChaosTrainer.calls += 1
             if ChaosTrainer.calls == config.kill_at_train_step and _claim(config.marker):
                 _die()

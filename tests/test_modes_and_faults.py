@@ -137,6 +137,35 @@ def test_killed_engine_is_restarted_and_its_requests_move(
     _assert_every_sample_once(run_dir, 3)
 
 
+def test_a_checkpoint_waiting_on_generation_brings_a_restarted_engine_in(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    """Async, one engine, killed mid-generation while the (slow) trainer trains: the weight sync
+    goes ahead without it, and the checkpoint that follows waits for the batches in flight,
+    which only the restarted engine can make, once a weight sync brings it in. The wait re-sends
+    the current weights (it used to wait forever: found by the chaos test)."""
+    marker = _chaos_marker(tmp_path)
+    run_dir = _run(
+        tmp_path,
+        tiny_assets,
+        "ckpt-wait",
+        mode="async",
+        steps=4,
+        algorithm={"correction": "tis"},
+        rollout={"backend": "chaos_torch", "engines": 1, "fault": "kill", "marker": marker},
+        train={"backend": "chaos_fsdp", "step_delay_s": 2.0},
+        fault={"backoff_s": 0.1},
+        checkpoint={"every": 1},
+    )
+    assert Path(marker).exists()
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == 4 and rows[-1]["fault/engine_restarts"] == 1
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1] == "step_3"
+    ledger = read_jsonl(run_dir / "samples.jsonl")
+    ids = [row["sample_id"] for row in ledger]
+    assert len(ids) == len(set(ids)) and sorted(ids) == list(range(len(ids)))
+
+
 def test_hung_engine_is_caught_by_the_timeout(tmp_path: Path, tiny_assets: dict[str, str]) -> None:
     marker = _chaos_marker(tmp_path)
     run_dir = _run(

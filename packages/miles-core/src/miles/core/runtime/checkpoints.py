@@ -4,6 +4,7 @@ atomically as one `checkpoints/step_N` (safetensors and JSON)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,16 @@ def save(
     rollout: Any,
     engines: Any,
     cfg: CheckpointConfig,
+    rollout_result: Callable[[Any], Any] = ray.get,
 ) -> Path:
-    """Writes checkpoint `step` (the engines hold weight `version`); returns its path."""
+    """Writes checkpoint `step` (the engines hold weight `version`); returns its path.
+    `rollout_result` waits for the rollout side's state, which waits for the batches in flight
+    (the controller's brings restarted engines in meanwhile)."""
     with span("miles.checkpoint", step=step), atomic_checkpoint(run_dir, step) as tmp:
         trainers.call("save", str(tmp / "train"), carrier())
         # The rollout side first: it finishes the batches in flight, then the engines' RNGs
         # are where those batches left them.
-        rollout_state = ray.get(rollout.get_state.remote())
+        rollout_state = rollout_result(rollout.get_state.remote())
         state = {
             "step": step,
             "weight_version": version,

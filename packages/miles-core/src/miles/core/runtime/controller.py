@@ -206,9 +206,11 @@ class Controller:
     def _retrying(self, what: str, fn: Any) -> Any:
         return retrying(what, fn, self._recover_trainers)
 
-    def _wait_for_batch(self, ref: Any) -> None:
-        """Waits for a rollout batch; meanwhile, brings in engines restarted while no engine
-        was left to generate (a weight sync re-sends the current version)."""
+    def _rollout_result(self, ref: Any) -> Any:
+        """The rollout side's answer (a batch's metrics, its state, an evaluation), which may
+        wait on generation: meanwhile, brings in engines restarted while no engine was left to
+        generate (a weight sync re-sends the current version). Without this, a wait for
+        generation and the next weight sync would each wait for the other."""
         while not ray.wait([ref], timeout=1.0)[0]:
             if ray.get(self.engines.needs_recovery.remote()):
                 log.info("every engine was restarted; re-sending the current weights")
@@ -216,6 +218,7 @@ class Controller:
                     "engine recovery",
                     lambda: self.sync_weights(self.weights.synced_through, new_version=False),
                 )
+        return ray.get(ref)
 
     # ── stages ───────────────────────────────────────────────────────────────────────────────────
 
@@ -229,7 +232,7 @@ class Controller:
         if not self.config.eval.data:
             return {}
         t0 = time.perf_counter()
-        metrics = dict(ray.get(self.rollout.evaluate.remote(step, carrier())))
+        metrics = dict(self._rollout_result(self.rollout.evaluate.remote(step, carrier())))
         self.eval_s += time.perf_counter() - t0
         # Under eval/: a row of evaluation alone is not a training step (`miles report`).
         metrics["eval/train_elapsed_s"] = self.train_elapsed()
@@ -252,6 +255,7 @@ class Controller:
             self.rollout,
             self.engines,
             self.config.checkpoint,
+            self._rollout_result,
         )
         self.snapshots.checkpointed(step)
         self.plugins.call_lifecycle(
@@ -355,8 +359,7 @@ class Controller:
             batch_ref, metrics_ref = self.rollout.take.options(num_returns=2).remote(
                 step, carrier()
             )
-            self._wait_for_batch(metrics_ref)
-            metrics: dict[str, float] = dict(ray.get(metrics_ref))
+            metrics: dict[str, float] = dict(self._rollout_result(metrics_ref))
             metrics["perf/rollout_wait_s"] = time.perf_counter() - t0
             if self.plugins.has_impls("miles_after_rollout"):
                 samples = ray.get(batch_ref).to_samples()

@@ -40,11 +40,19 @@ class TrainGroup:
         self.restarts = 0
 
     def call(self, method: str, *args: Any) -> Any:
-        """Calls `method` on every rank; rank 0's answer. A dead rank: TrainerDied."""
+        """Calls `method` on every rank; rank 0's answer. A dead rank: TrainerDied, also when
+        a live rank's error is the first to arrive (its collective broke when a peer died:
+        gloo's "Connection closed by peer")."""
+        refs = [getattr(t, method).remote(*args) for t in self.trainers]
         try:
-            return ray.get([getattr(t, method).remote(*args) for t in self.trainers])[0]
+            return ray.get(refs)[0]
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
             raise TrainerDied(exc) from exc
+        except Exception:
+            death = _rank_death(refs)
+            if death is not None:
+                raise TrainerDied(death) from death
+            raise
 
     def restart(self, error: TrainerDied, state: Path | None) -> None:
         """Replaces every rank, and loads the train `state` (None: model.path) into the new
@@ -73,6 +81,20 @@ class TrainGroup:
 
     def flush(self) -> list[Any]:
         return [t.flush.remote() for t in self.trainers]
+
+
+def _rank_death(refs: list[Any], timeout_s: float = 60.0) -> RayActorError | None:
+    """After one rank's call failed: the death of another rank, if one died (the others' calls
+    end soon after a peer's death, with their own errors or the death)."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except RayActorError as exc:
+            return exc
+        except Exception:  # that rank's own error, or its collective's
+            continue
+    return None
 
 
 def retrying(what: str, fn: Callable[[], T], recover: Callable[[TrainerDied], None]) -> T:
