@@ -207,8 +207,8 @@ class Controller:
         return retrying(what, fn, self._recover_trainers)
 
     def _rollout_result(self, ref: Any) -> Any:
-        """The rollout side's answer (a batch's metrics, its state, an evaluation), which may
-        wait on generation: meanwhile, brings in engines restarted while no engine was left to
+        """The rollout side's answer (a batch's metrics, its state, an evaluation, its close),
+        which may wait on generation: meanwhile, brings in engines restarted while no engine was left to
         generate (a weight sync re-sends the current version). Without this, a wait for
         generation and the next weight sync would each wait for the other."""
         while not ray.wait([ref], timeout=1.0)[0]:
@@ -374,7 +374,7 @@ class Controller:
 
             def train_and_sync() -> None:
                 if self.colocated:
-                    ray.get(self.rollout.close.remote())
+                    self._rollout_result(self.rollout.close.remote())
                 if self.offload:
                     ray.get(self.engines.release_memory.remote())
                     self.trainers.call("wake")
