@@ -208,9 +208,9 @@ class Controller:
 
     def _rollout_result(self, ref: Any) -> Any:
         """The rollout side's answer (a batch's metrics, its state, an evaluation, its close),
-        which may wait on generation: meanwhile, brings in engines restarted while no engine was left to
-        generate (a weight sync re-sends the current version). Without this, a wait for
-        generation and the next weight sync would each wait for the other."""
+        which may wait on generation: meanwhile, brings in engines restarted while no engine
+        was left to generate (a weight sync re-sends the current version). Without this, a
+        wait for generation and the next weight sync would each wait for the other."""
         while not ray.wait([ref], timeout=1.0)[0]:
             if ray.get(self.engines.needs_recovery.remote()):
                 log.info("every engine was restarted; re-sending the current weights")

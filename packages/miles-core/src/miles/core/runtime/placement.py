@@ -127,9 +127,11 @@ def _bundle_nodes(table: dict[str, Any]) -> dict[int, str]:
     return {int(i): node for i, node in (table.get("bundles_to_node_id") or {}).items() if node}
 
 
-def bundle_node(group: PlacementGroup, bundle: int) -> str | None:
-    """The node Ray has placed `bundle` of `group` on (None: not placed)."""
-    return _bundle_nodes(placement_group_table(group)).get(bundle)
+def bundle_nodes(group: PlacementGroup, bundles: list[int]) -> set[str | None]:
+    """The nodes Ray has placed `bundles` of `group` on (None for one not placed), from one
+    read of the placement group's table."""
+    placed = _bundle_nodes(placement_group_table(group))
+    return {placed.get(b) for b in bundles}
 
 
 def nodes_alive(nodes: set[str | None]) -> bool:
@@ -158,7 +160,7 @@ class TrainLauncher:
         port_tries = 0
         while True:
             wait_for_places(self.group, self.node_wait_s)
-            nodes = {bundle_node(self.group, b) for b in self.bundles}
+            nodes = bundle_nodes(self.group, self.bundles)
             trainers = self._start()
             try:
                 ray.get([t.__ray_ready__.remote() for t in trainers])
@@ -215,11 +217,11 @@ class EngineLauncher:
     num_gpus: float
     kwargs: dict[str, Any]  # EngineActor's keyword arguments, except `index`
     node_wait_s: float = 300.0
-    started_on: dict[int, str | None] = field(default_factory=dict)  # engine -> its last node
+    started_on: dict[int, set[str | None]] = field(default_factory=dict)  # engine -> its node
 
     def launch(self, index: int) -> Any:
         wait_for_places(self.group, self.node_wait_s)
-        self.started_on[index] = bundle_node(self.group, self.bundles[index])
+        self.started_on[index] = bundle_nodes(self.group, [self.bundles[index]])
         return (
             ray.remote(EngineActor)
             .options(
@@ -236,7 +238,7 @@ class EngineLauncher:
     def node_lost(self, index: int) -> bool:
         """Whether the node engine `index` was last started on has died: a start that failed
         there failed for the node, not for the engine."""
-        return index in self.started_on and not nodes_alive({self.started_on[index]})
+        return index in self.started_on and not nodes_alive(self.started_on[index])
 
 
 @dataclass
