@@ -12,16 +12,12 @@ prints one JSON line per rank: names/shapes agreement and, without pipeline stag
 max abs logit difference.
 Logits are compared unpacked (two rows) and packed (three sequences in one THD row, through
 miles.megatron's core attention) with transformers' forward of each sequence.
-megatron-core is written for CUDA; three shims, for this check only, let its forward run on CPU:
-rotary embeddings move their frequencies to `torch.cuda.current_device()` (made "cpu"), the
-CUDA RNG tracker is forked around dropout (made a no-op: dropout is 0), and megatron-core 0.16's
-router names TransformerEngine's GEMM without defining it when TE is absent (0.19 sets it to
-None).
+megatron-core is written for CUDA; `miles.megatron.testing.run_megatron_on_cpu` patches it so
+its forward and backward run on CPU, for checks like this one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -32,21 +28,9 @@ import torch.distributed as dist
 from cpu_ranks import report, spawn_and_print
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from miles.megatron.testing import run_megatron_on_cpu
+
 SEQ = 12
-
-
-def _shim_cpu() -> None:
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.moe import moe_utils
-
-    mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    from megatron.core.transformer import multi_latent_attention as mla
-
-    if not isinstance(mla.TELinear, type):  # 0.16 without TE: a MagicMock that isinstance refuses
-        mla.TELinear = type("NoTransformerEngine", (), {})
 
 
 def _config(family: str, overrides: list[str]) -> dict:
@@ -90,7 +74,7 @@ def _run(
 
         tensor_parallel.model_parallel_cuda_manual_seed(0)
     else:
-        _shim_cpu()
+        run_megatron_on_cpu()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from miles.core.families import family_named
