@@ -424,6 +424,10 @@ class Rank:
                 if loaded is not None:
                     row["checkpoint"] = _equal(loaded, saved[1])
             self.fill(ddp, where)
+            # With bf16 weights the optimizer steps fp32 copies, made when it was built: they
+            # must be taken again from the weights just loaded (Megatron-LM does the same after
+            # a checkpoint load without optimizer state).
+            optimizer.reload_model_params()
             before = self.hf_weights(ddp, where)
             ddp.eval()
             with torch.no_grad():
@@ -450,6 +454,16 @@ class Rank:
             if self.rank == 0:
                 assert lp is not None and before is not None and hf_lp is not None
                 update = None if after is None else {k: after[k] - before[k] for k in after}
+                if update is not None:
+                    # One Adam step moves a weight by about lr: a step from other weights than
+                    # the ones loaded (stale optimizer copies) moves them by their own size.
+                    row["update_over_weights"] = _norm(update) / _norm(before)
+                    if row["update_over_weights"] > 0.5:
+                        raise SystemExit(
+                            f"error: {layout.name}: one step changed the weights by "
+                            f"{row['update_over_weights']:.2f} of their norm; the optimizer "
+                            "did not start from the weights loaded"
+                        )
                 if reference is None:
                     assert update is not None, row.get("refused")
                     reference = (lp, update)
