@@ -532,6 +532,17 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29581)
     parser.add_argument("--out", default="/tmp/megatron_parity.md")
     args = parser.parse_args()
+    for layout in (Layout.parse(x) for x in args.layouts.split(",")):
+        model_parallel = layout.tp * layout.pp
+        dp = args.world // model_parallel
+        if args.world % model_parallel or (layout.dp is not None and layout.dp != dp):
+            raise SystemExit(
+                f"error: layout {layout.name} does not fit --world {args.world}: data "
+                f"parallelism is what the world leaves of tp x pp = {model_parallel}, so "
+                f"{args.world / model_parallel:g} here; set --world to dp x tp x pp"
+            )
+    if args.sync_at and args.sync_at not in args.layouts.split(","):
+        raise SystemExit(f"error: --sync-at {args.sync_at} is not one of --layouts")
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         raise SystemExit(
             f"error: --world {args.world} needs {args.world} GPUs; this machine has "
