@@ -159,7 +159,7 @@ class Rank:
         self.hf = AutoModelForCausalLM.from_config(
             AutoConfig.for_model(self.config["model_type"], **hf_config), dtype=self.dtype
         ).eval()
-        self.weights = {k: v for k, v in self.hf.state_dict().items()}
+        self.weights = dict(self.hf.state_dict())
         self.vocab = int(self.config["vocab_size"])
         self.batch = make_batch(self.vocab, args.micro_batches, args.longest)
 

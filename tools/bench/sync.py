@@ -164,9 +164,7 @@ def colocated(args: argparse.Namespace) -> None:
     bandwidth = hbm_bandwidth()
     shape = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_model(tmp, vocab_size=shape["vocab_size"], **{
-            k: v for k, v in shape.items() if k != "vocab_size"
-        })  # fmt: skip
+        path = make_tiny_model(tmp, **shape)
         ctx = mp.get_context("spawn")
         requests, replies = ctx.Queue(), ctx.Queue()
         engine = ctx.Process(target=engine_side, args=(path, requests, replies))
@@ -342,9 +340,7 @@ def disaggregated(args: argparse.Namespace) -> None:
     table: list[str] = []
     met: list[tuple[int, bool]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_model(tmp, vocab_size=shape["vocab_size"], **{
-            k: v for k, v in shape.items() if k != "vocab_size"
-        })  # fmt: skip
+        path = make_tiny_model(tmp, **shape)
         ctx = mp.get_context("spawn")
         requests, replies = ctx.Queue(), ctx.Queue()
         engine = ctx.Process(target=engine_side, args=(path, requests, replies, engine_device))
