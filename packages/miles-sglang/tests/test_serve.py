@@ -225,6 +225,34 @@ def test_pause_keeps_running_requests_and_continue_finishes_them(server, model, 
     assert flushed(server)
 
 
+def test_continue_returns_at_once_and_resumes_held_requests_before_queued_ones(server):
+    # On the CPU one engine call runs at a time (the hf path), so `queued` waits behind `held`.
+    # Greedy from this prompt runs to the budget (about 2 s here), so neither ends early.
+    body = {"sampling_params": {"max_new_tokens": 900, "temperature": 0}}
+    pool = ThreadPoolExecutor(2)
+    finished: dict[str, float] = {}
+
+    def timed(rid: str) -> None:
+        generate(server, [4, 8, 15], rid=rid, **body)
+        finished[rid] = time.monotonic()
+
+    assert flushed(server)
+    futures = [pool.submit(timed, "held")]
+    _until_running(server)
+    futures.append(pool.submit(timed, "queued"))
+    time.sleep(0.3)  # queued behind the running call
+    assert server.call("/pause_generation", {"mode": "in_place"})[0] == 200
+    time.sleep(0.3)
+    assert len(finished) == 0, "a request ended before the pause"
+    assert server.call("/continue_generation", {})[0] == 200
+    returned = time.monotonic()
+    for future in futures:
+        future.result(timeout=300)
+    assert returned < min(finished.values()), "continue_generation waited for an engine call"
+    assert finished["held"] < finished["queued"]  # the request that was running goes first
+    assert flushed(server)
+
+
 def test_abort_one_request_leaves_the_others_running(server):
     futures = _many(server, 8, 900)
     _until_running(server)

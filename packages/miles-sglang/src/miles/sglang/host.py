@@ -85,7 +85,6 @@ class EngineHost:
         self._lock = threading.Condition()
         self._running: dict[int, _Job] = {}  # engine request id -> job, in an engine call
         self._workers = 0  # engine calls in progress
-        self._starting = 0  # jobs the batcher holds, waiting for continue
         self._held: list[_Job] = []  # retracted, waiting for continue
         self._keep_stopped = False  # stopped jobs are held (retract) rather than answered
         self._drop: set[str] = set()  # rids to answer with abort when they stop
@@ -117,20 +116,27 @@ class EngineHost:
     @property
     def busy(self) -> bool:
         with self._lock:
-            running = self._workers or self._running or self._held or self._starting
+            running = self._workers or self._running or self._held
             return bool(running) or not self._queue.empty()
 
     def _batch_loop(self) -> None:
+        """Start engine calls while not paused: retracted requests first, then the queue."""
         while not self._closed:
+            with self._lock:
+                while self.paused and not self._closed:
+                    self._lock.wait(timeout=0.1)
             if not self._slots.acquire(timeout=0.1):
                 continue
-            try:
-                first = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                self._slots.release()
-                continue
-            jobs = [first]
-            time.sleep(0.002)  # let a burst of concurrent requests arrive together
+            with self._lock:
+                jobs = self._held[: self.max_batch_size]
+                del self._held[: len(jobs)]
+            if not jobs:
+                try:
+                    jobs.append(self._queue.get(timeout=0.1))
+                except queue.Empty:
+                    self._slots.release()
+                    continue
+                time.sleep(0.002)  # let a burst of concurrent requests arrive together
             while len(jobs) < self.max_batch_size:
                 try:
                     jobs.append(self._queue.get_nowait())
@@ -139,18 +145,17 @@ class EngineHost:
             self._start(jobs)
 
     def _start(self, jobs: list[_Job]) -> None:
+        """One engine call on a worker thread, holding a slot until it ends. Paused meanwhile:
+        the jobs are kept for continue (retract / in_place) or answered with abort."""
         with self._lock:
-            # Queued before a pause: answered with abort (mode abort), else kept for continue.
-            self._starting += len(jobs)
-            while self.paused and self._keep_stopped and not self._closed:
-                self._lock.wait()
-            self._starting -= len(jobs)
             if self.paused:
-                stopped = jobs
-                jobs = []
+                if self._keep_stopped:
+                    self._held[:0] = jobs  # nothing generated yet: first on continue
+                    jobs = []
+                aborted, jobs = jobs, []
         if not jobs:
             self._slots.release()
-            for job in stopped:
+            for job in aborted:
                 job.deliver(self._answer(job, None, "abort"))
             return
         with self._lock:
@@ -265,18 +270,14 @@ class EngineHost:
                 return jobs
 
     def resume(self) -> None:
-        """continue_generation: the engine runs again; retracted requests go first."""
+        """continue_generation: the engine runs again; the batcher starts retracted requests
+        before anything queued. Returns at once, as SGLang's does."""
         with self._lock:
-            held, self._held = self._held, []
             self._keep_stopped = False
         self.engine.resume()
         with self._lock:
             self.paused = False
             self._lock.notify_all()
-        if held:
-            for start in range(0, len(held), self.max_batch_size):
-                self._slots.acquire()  # released when that engine call ends
-                self._start(held[start : start + self.max_batch_size])
 
     def abort(self, rid: str | None, abort_all: bool) -> int:
         """abort_request: answers the named request (or every one) with abort. Returns how many
