@@ -147,11 +147,11 @@ class EngineHost:
     def _start(self, jobs: list[_Job]) -> None:
         """One engine call on a worker thread, holding a slot until it ends. Paused meanwhile:
         the jobs are kept for continue (retract / in_place) or answered with abort."""
+        aborted: list[_Job] = []
         with self._lock:
-            if self.paused:
-                if self._keep_stopped:
-                    self._held[:0] = jobs  # nothing generated yet: first on continue
-                    jobs = []
+            if self.paused and self._keep_stopped:
+                self._held[:0], jobs = jobs, []  # nothing generated yet: first on continue
+            elif self.paused:
                 aborted, jobs = jobs, []
         if not jobs:
             self._slots.release()
@@ -272,10 +272,9 @@ class EngineHost:
     def resume(self) -> None:
         """continue_generation: the engine runs again; the batcher starts retracted requests
         before anything queued. Returns at once, as SGLang's does."""
-        with self._lock:
-            self._keep_stopped = False
         self.engine.resume()
-        with self._lock:
+        with self._lock:  # together: a batch started meanwhile is held, never aborted
+            self._keep_stopped = False
             self.paused = False
             self._lock.notify_all()
 
