@@ -11,7 +11,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from miles.core.backends import EngineUnavailable
-from miles.core.runtime.dispatch import EngineDispatcher, Route, Routes
+from miles.core.runtime.dispatch import EngineDispatcher, RequestLostError, Route, Routes
 from miles.core.runtime.engine_pool import EngineFailedError
 
 from .fakes import FakeEngine, request
@@ -84,6 +84,30 @@ def test_a_dead_engine_is_reported_once_and_its_requests_finish_elsewhere(death)
         assert type(death).__name__ in s.failures[0][2]
         assert s.dispatcher.requeued == 2  # engine 0 had 3 requests and finished one
         assert [r.index for r in s.dispatcher.ready()] == [1]  # skipped until the group says
+
+    asyncio.run(main())
+
+
+class _DroppingDispatcher(EngineDispatcher):
+    """A dispatcher with a bookkeeping bug: a dead engine's unfinished requests are dropped
+    instead of queued again."""
+
+    def _engine_failed(self, route: Route, reason: str, unfinished: dict[int, Any]) -> None:
+        self.report_failure(route.index, route.generation, reason)
+
+
+def test_a_request_lost_by_the_dispatcher_fails_its_caller_at_once_naming_it() -> None:
+    async def main() -> None:
+        s = Setup(2)
+        s.dispatcher = _DroppingDispatcher(
+            lambda i, g, reason: s.failures.append((i, g, reason)), request_timeout_s=5.0
+        )
+        s.route(range(2))
+        s.engines[0].fail, s.engines[0].after = ActorDiedError(), 1  # one result, then death
+        # Engine 0 takes requests 0, 2 and 4 and finishes 0; 2 and 4 are dropped.
+        call = s.dispatcher.generate([request(i) for i in range(6)])
+        with pytest.raises(RequestLostError, match=r"requests \[2, 4\] were lost .* engine 0"):
+            await asyncio.wait_for(call, timeout=5)  # not a wait forever
 
     asyncio.run(main())
 

@@ -15,6 +15,8 @@ sees fail. Every request is accounted for until its result is delivered:
   from where it stopped with the new weights (a partial rollout: each token keeps the version it
   was sampled with) or to start again from its prompt, as `async.on_weight_update` says.
 While the queue is held (during a weight update, or with no ready engine) requests wait in it.
+A request that is, after an engine call ends, neither delivered nor queued nor on another engine
+was lost by this bookkeeping: its caller gets a `RequestLostError` naming it, never a wait forever.
 """
 
 from __future__ import annotations
@@ -59,7 +61,12 @@ class Routes:
 FailureReport = Callable[[int, int, str], None]
 
 
-@dataclass
+class RequestLostError(RuntimeError):
+    """A request the dispatcher holds nowhere any more (not delivered, queued or on an engine): a
+    bug in its bookkeeping, raised to the caller instead of leaving it waiting forever."""
+
+
+@dataclass(eq=False)  # compared by identity: the same request may be queued and on an engine
 class _Pending:
     request: GenerateRequest  # as the rollout function made it
     future: asyncio.Future[GenerateResult]
@@ -71,6 +78,7 @@ class _Pending:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    on_engines: int = 0  # engine calls holding it now (one, or two while an abort is requeued)
 
     def next_request(self) -> GenerateRequest:
         """The original request, or its continuation after the tokens made so far."""
@@ -174,6 +182,8 @@ class EngineDispatcher:
             load[target] += 1
         for route, share in zip(engines, shares, strict=True):
             if share:
+                for pending in share:
+                    pending.on_engines += 1
                 self._start(self._run(route, share, share[0].trace))
 
     def _start(self, coro: Any) -> None:
@@ -229,6 +239,27 @@ class EngineDispatcher:
                     p.future.set_exception(exc)
         finally:
             self._inflight[route.index] = max(self.inflight(route.index) - len(share), 0)
+            for pending in share:
+                pending.on_engines -= 1
+            self._fail_lost(route, share)
+
+    def _fail_lost(self, route: Route, share: list[_Pending]) -> None:
+        """Every request of an engine call that ended is delivered, queued again or on another
+        engine; one that is none of these would leave its caller waiting forever."""
+        open_ = [p for p in share if not p.future.done() and p.on_engines == 0]
+        if not open_:
+            return
+        queued = {id(p) for p in self._queue}
+        lost = [p for p in open_ if id(p) not in queued]
+        if not lost:
+            return
+        ids = sorted(p.request.request_id for p in lost)
+        error = RequestLostError(
+            f"requests {ids} were lost after their call to engine {route.index} ended: neither "
+            "delivered nor queued again (a bug in the dispatcher; please report it)"
+        )
+        for pending in lost:
+            pending.future.set_exception(error)
 
     def _engine_failed(self, route: Route, reason: str, unfinished: dict[int, _Pending]) -> None:
         key = (route.index, route.generation)
@@ -236,7 +267,7 @@ class EngineDispatcher:
             self._failed.add(key)
             self.report_failure(route.index, route.generation, reason)
         self.requeued += len(unfinished)
-        self._queue.extend(unfinished.values())
+        self._queue.extend(unfinished.values())  # the flush when this call ends sends them
 
     def _deliver(self, pending: _Pending, result: GenerateResult) -> None:
         versions = token_versions(result.weight_version, len(result.response_ids))
