@@ -102,6 +102,10 @@ class ChaosEngineConfig(TorchEngineConfig):
     marker: str = ""
     step_delay_s: float = 0.0  # a slow engine: this long per model step
     kill_at_receive: int = 0  # the receive_weights call (in this process) that dies; 0: none
+    # The receive_weights call (in this process) after which one weight tensor is changed (a real
+    # change, which the engine's checksum sees); 0: none. Generating from such weights writes
+    # MARKER.generated-corrupt.
+    corrupt_at_receive: int = 0
 
 
 def make_engine(config, setup):
@@ -111,8 +115,11 @@ def make_engine(config, setup):
 
     class ChaosEngine(type(engine)):
         calls = 0
+        corrupted = False
 
         def generate(self, requests):
+            if ChaosEngine.corrupted:
+                open(config.marker + ".generated-corrupt", "w").close()
             inner = super().generate(requests)
             ChaosEngine.calls += 1
             if config.fault == "none" or ChaosEngine.calls != config.at_call:
@@ -129,7 +136,14 @@ def make_engine(config, setup):
             ChaosEngine.receives = getattr(ChaosEngine, "receives", 0) + 1
             if ChaosEngine.receives == config.kill_at_receive and _claim(config.marker):
                 _die()  # the trainer is broadcasting to it
-            return super().receive_weights(plan, version)
+            super().receive_weights(plan, version)
+            ChaosEngine.corrupted = False  # every weight was just received
+            if ChaosEngine.receives == config.corrupt_at_receive and _claim(config.marker):
+                import torch
+
+                with self._lock, torch.no_grad():
+                    next(self.model.parameters()).add_(0.5)
+                ChaosEngine.corrupted = True
 
         def _failing(self, inner):
             yield next(inner)[:1]  # one request finishes, the others are mid-generation

@@ -289,6 +289,26 @@ def test_an_engine_killed_in_a_weight_sync_is_replaced_and_the_sync_redone(
     _assert_every_sample_once(run_dir, 3)
 
 
+def test_an_engine_corrupted_after_a_sync_gets_the_weights_again_before_generating(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    """One engine's weights change after a sync (a real tensor, not a faked report): the
+    verification sees it, the weights are sent again, and no sample comes from the corrupted
+    weights (the chaos engine notes any generate call made while they are in place)."""
+    marker = _chaos_marker(tmp_path)
+    rollout = {"backend": "chaos_torch", "engines": 2, "corrupt_at_receive": 2, "marker": marker}
+    run_dir = _run(tmp_path, tiny_assets, "corrupt", steps=3, rollout=rollout)
+    assert Path(marker).exists()  # the corruption happened
+    assert not Path(marker + ".generated-corrupt").exists(), "generated from corrupted weights"
+    [resent] = [
+        e for e in read_jsonl(run_dir / "events.jsonl") if e["event"].startswith("engines hold")
+    ]
+    assert "weight sync verification failed at version 2: engine " in resent["error"]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["weights/version"] for r in rows] == [1, 2, 3]
+    _assert_every_sample_once(run_dir, 3)
+
+
 def test_past_the_restart_cap_the_run_fails_clearly(
     tmp_path: Path, tiny_assets: dict[str, str]
 ) -> None:

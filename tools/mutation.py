@@ -76,6 +76,12 @@ TARGETS = {
         ),
         "the sample ledger and the rollout buffer policies",
     ),
+    "weight_updates": Target(
+        ("miles-core",),
+        ("miles/core/runtime/weight_updates.py",),
+        ("packages/miles-core/tests/test_weight_updates.py",),
+        "the weight updater: sync order, redone syncs, checksum verification",
+    ),
 }
 
 # What the suite's own pytest set-up gives these tests (the root conftest.py and pytest options).

@@ -197,14 +197,17 @@ class EngineGroup:
 
         return list(await asyncio.gather(*(one(s) for s in self.pool.alive())))
 
-    async def weights(self) -> list[tuple[str, int]]:
-        """(checksum, weight version) of each engine of the last sync that is still alive, to
-        verify that sync (one restarted since holds the checkpoint's weights until the next)."""
+    async def weights(self) -> list[tuple[int, str, int]]:
+        """(engine index, checksum, weight version) of each engine of the last sync that is
+        still alive, to verify that sync (one restarted since holds the checkpoint's weights
+        until the next)."""
         members = set(self._members or [])
         alive = [s for s in self.pool.alive() if (s.index, s.generation) in members]
         checksums = asyncio.gather(*(s.handle.checksum.remote() for s in alive))
         versions = asyncio.gather(*(s.handle.weight_version.remote() for s in alive))
-        return list(zip(await checksums, await versions, strict=True))
+        return [
+            (s.index, c, v) for s, c, v in zip(alive, await checksums, await versions, strict=True)
+        ]
 
     async def weights_dtype(self) -> str:
         """The dtype the engines hold their weights in (what the trainer's checksum casts to)."""

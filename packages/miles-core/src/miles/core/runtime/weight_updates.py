@@ -10,6 +10,7 @@ Afterwards the engines' weights are checked against the trainer's (`rollout.veri
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -53,28 +54,8 @@ class WeightUpdater:
         t0 = time.perf_counter()
         version = self.version + 1 if new_version else self.version
         synced_through = step if new_version else self.synced_through
-        # Each failed try costs an engine a restart (or drops it), so the tries are bounded.
-        tries = (self.config.fault.max_engine_restarts + 1) * self.config.rollout.engines + 1
         with span("miles.weight_sync", step=step, version=version):
-            for attempt in range(tries):
-                try:
-                    t_send = time.perf_counter()
-                    sent = self._sync_once(version, finish_batches=new_version)
-                    send_s = time.perf_counter() - t_send
-                    t_verify = time.perf_counter()
-                    if self.config.rollout.verify_weights:
-                        self.verify(version)  # an engine may die here too: then redo it all
-                    verify_s = time.perf_counter() - t_verify
-                    break
-                except (TrainerDied, WeightSyncError):
-                    raise  # a lost trainer is the controller's; wrong weights are a bug
-                except Exception as exc:
-                    log.warning("weight sync failed; redoing it", attempt=attempt, error=repr(exc))
-                    self._tear_down()
-            else:
-                raise WeightSyncError(
-                    f"weight sync to version {version} failed {tries} times; see events.jsonl"
-                )
+            sent, send_s, verify_s = self._sync_verified(version, finish_batches=new_version)
             self.version, self.synced_through = version, synced_through
             # Together: batches the new version lets start queue until the engines resume.
             ray.get(
@@ -91,6 +72,46 @@ class WeightUpdater:
             "perf/sync_gbps": sent / max(send_s, 1e-9) / 1e9,
             "perf/sync_verify_s": verify_s,
         }
+
+    def _sync_verified(self, version: int, *, finish_batches: bool) -> tuple[int, float, float]:
+        """Sends the weights until every engine holds them: (bytes sent, send s, verify s).
+
+        Engines stay paused throughout (they resume in `end_update`), so nothing is generated
+        with weights that failed verification. A sync that broke (an engine died) is redone with
+        the engines left; one that verified wrong is sent once more (a transient corruption),
+        and stops the run with `WeightSyncError` if the engines still hold other weights.
+        """
+        # Each failed try costs an engine a restart (or drops it), so the tries are bounded.
+        tries = (self.config.fault.max_engine_restarts + 1) * self.config.rollout.engines + 1
+        resent = False
+        failures = 0
+        while True:
+            try:
+                t_send = time.perf_counter()
+                sent = self._sync_once(version, finish_batches=finish_batches)
+                send_s = time.perf_counter() - t_send
+                t_verify = time.perf_counter()
+                if self.config.rollout.verify_weights:
+                    self.verify(version)  # an engine may die here too: then redo it all
+                return sent, send_s, time.perf_counter() - t_verify
+            except TrainerDied:
+                raise  # a lost trainer is the controller's
+            except WeightSyncError as exc:
+                if resent:
+                    raise WeightSyncError(
+                        f"{exc}; also after the weights were sent again"
+                    ) from None
+                resent = True
+                log.warning("engines hold other weights than sent; sending again", error=str(exc))
+            except Exception as exc:
+                failures += 1
+                if failures >= tries:
+                    raise WeightSyncError(
+                        f"weight sync to version {version} failed {tries} times; see events.jsonl"
+                    ) from exc
+                log.warning("weight sync failed; redoing it", attempt=failures, error=repr(exc))
+                self._tear_down()
+            finish_batches = False  # the first try let them finish
 
     def _tear_down(self) -> None:
         """Every side leaves the broken group; then wait until dead engines are replaced."""
@@ -127,12 +148,28 @@ class WeightUpdater:
             self._engine_dtype = str(ray.get(self.engines.weights_dtype.remote()))
         engines = self.engines.weights.remote()
         expected = self.trainers.call("checksum", self._engine_dtype)  # collective
-        states = ray.get(engines)
-        checksums, versions = [c for c, _ in states], [v for _, v in states]
-        bad = [i for i, c in enumerate(checksums) if c != expected]
-        if bad or any(v != version for v in versions):
-            raise WeightSyncError(
-                f"weight sync verification failed at version {version}: engines {bad} hold "
-                f"other weights (versions {versions}); the trainer's checksum is "
-                f"{expected[:16]}"
-            )
+        check_engine_weights(expected, version, [EngineWeights(*w) for w in ray.get(engines)])
+
+
+@dataclass(frozen=True)
+class EngineWeights:
+    """What one engine holds, by its own account of the tensors it serves."""
+
+    engine: int  # its index
+    checksum: str
+    version: int
+
+
+def check_engine_weights(expected: str, version: int, engines: list[EngineWeights]) -> None:
+    """Raises WeightSyncError naming each engine whose weights are not the trainer's (checksum
+    `expected`) at `version`."""
+    wrong = [e for e in engines if e.checksum != expected or e.version != version]
+    if wrong:
+        held = "; ".join(
+            f"engine {e.engine} holds version {e.version} with checksum {e.checksum[:16]}"
+            for e in wrong
+        )
+        raise WeightSyncError(
+            f"weight sync verification failed at version {version}: {held}; the trainer's "
+            f"checksum is {expected[:16]}"
+        )
