@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Creates or refreshes .venv with every workspace package installed in editable mode.
 #
-# torch comes first and alone, so no later step can pull a multi-GB CUDA build onto a CPU machine:
+# torch comes first and alone (pip), so no later step can pull a multi-GB CUDA build onto a CPU
+# machine: the rest is installed by uv (seconds, where pip takes minutes) with torch pinned to the
+# version just installed.
 #   MILES_TORCH_SPEC   what to install when torch is missing (default: torch==2.13.0)
 #   MILES_TORCH_INDEX  an index URL for it, e.g. PyTorch's CPU wheel index on machines whose pip
 #                      would otherwise pick a CUDA build
-# Re-running is cheap: pip runs only when a pyproject or requirements file changed.
+# Re-running is cheap: the installs run only when a pyproject or requirements file changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,12 +23,16 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
 
-echo "setting up .venv (first run takes about a minute)..." >&2
+echo "setting up .venv (first run takes under a minute)..." >&2
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   "${pip[@]}" install "${MILES_TORCH_SPEC:-torch==2.13.0}" ${MILES_TORCH_INDEX:+--index-url "$MILES_TORCH_INDEX"}
 fi
-"${pip[@]}" install hatchling editables
+"${pip[@]}" install "uv>=0.5"
+torch_pin=$(mktemp)
+trap 'rm -f "$torch_pin"' EXIT
+.venv/bin/python -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$torch_pin"
 editables=()
 for p in packages/*/; do editables+=(-e "$p"); done
-"${pip[@]}" install --no-build-isolation "${editables[@]}" -r tools/requirements-dev.txt
+.venv/bin/uv pip install --python .venv/bin/python -q --constraint "$torch_pin" \
+  hatchling editables "${editables[@]}" -r tools/requirements-dev.txt
 echo "$want" >"$stamp"
