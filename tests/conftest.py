@@ -5,9 +5,11 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
@@ -278,6 +280,8 @@ def _write(path: Path, text: str) -> None:
 def run_miles(
     *args: str, cwd: Path | None = None, timeout: int = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
+    """`miles ARGS` in a subprocess (its own process group, so Ray's processes end with it). Past
+    `timeout` the test fails with the stacks of the CLI's threads (it dumps them on SIGUSR1)."""
     TEST_MODULES.mkdir(exist_ok=True)
     _write(TEST_MODULES / "miles_test_rewards.py", REWARD_MODULE)
     install_plugin("loss_plugin", LOSS_PLUGIN)
@@ -285,9 +289,31 @@ def run_miles(
     install_plugin("family", FAMILY_PLUGIN)
     pythonpath = os.pathsep.join(filter(None, [str(TEST_MODULES), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "CI": "1", "RAY_DEDUP_LOGS": "0", "PYTHONPATH": pythonpath, **(env or {})}
-    return subprocess.run(
-        [*MILES, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    proc = subprocess.Popen(
+        [*MILES, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
     )
+    hung = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        hung = True
+        os.kill(proc.pid, signal.SIGUSR1)  # the stacks of every thread, to its stderr
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    finally:
+        if proc.poll() is None:  # the test itself was stopped (its time limit, Ctrl-C)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if hung:
+        pytest.fail(f"miles {' '.join(args)}: no end after {timeout}s\n{err[-12000:]}", False)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

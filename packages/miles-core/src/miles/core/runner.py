@@ -29,6 +29,7 @@ from miles.core.plugins import get_plugin_manager
 from miles.core.recipe import Recipe
 from miles.core.rundir import default_run_dir, write_config, write_manifest
 from miles.core.runtime.controller import Controller
+from miles.core.runtime.process import dump_stacks_on_sigusr1
 from miles.core.validation import validate
 
 log = structlog.get_logger(__name__)
@@ -186,6 +187,7 @@ def _yaml_scalar(value: Any) -> str:
 
 
 def run_from_cli(request: RunRequest) -> int:
+    dump_stacks_on_sigusr1()
     if not request.ray_address:
         # The local Ray this run starts requires Ray's auth token on every connection. Ray reads
         # the mode once, on import: set it before anything imports ray.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
 from pathlib import Path
 from typing import Any
@@ -15,9 +17,16 @@ from miles.core.logsetup import configure_logging
 from miles.core.observability import configure_tracing
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` makes this process print every thread's stack to its stderr (an actor's
+    goes to its Ray worker log): where a stuck run waits, without a debugger."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def init_actor_process(run_dir: str | None, *, role: str, log_level: str = "info") -> None:
     """Configures structlog (JSON lines to stderr, and events.jsonl) and the OTel SDK
     (traces.jsonl) in this worker process."""
+    dump_stacks_on_sigusr1()
     path = Path(run_dir) if run_dir else None
     configure_logging("json", log_level, events_path=path / "events.jsonl" if path else None)
     configure_tracing(path, service_name=f"miles.{role}")
