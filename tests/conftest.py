@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gzip
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -277,18 +280,95 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def run_miles(
-    *args: str, cwd: Path | None = None, timeout: int = 600, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """`miles ARGS` in a subprocess (its own process group, so Ray's processes end with it). Past
-    `timeout` the test fails with the stacks of the CLI's threads (it dumps them on SIGUSR1)."""
+# ── one Ray per test worker ──────────────────────────────────────────────────────────────────────
+# Started on first use and stopped when the worker exits; `miles run` joins it with --ray-address.
+# Its workers see the environment it was started with: the test plugins' path, token auth.
+_shared_ray: tuple[str, subprocess.Popen[str]] | None = None
+_shared_ray_lock = threading.Lock()  # runs started from several threads start one Ray
+SHARED_RAY_CPUS = 8  # room for a run's train ranks and engines, and one still winding down
+
+
+def shared_ray() -> str:
+    """The address of this test process's Ray, started now if it is not up yet."""
+    with _shared_ray_lock:
+        if _shared_ray is None or _shared_ray[1].poll() is not None:
+            _start_shared_ray()
+        assert _shared_ray is not None
+        return _shared_ray[0]
+
+
+def _start_shared_ray() -> None:
+    global _shared_ray
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "CI": "1",
+        "RAY_DEDUP_LOGS": "0",
+        "RAY_AUTH_MODE": "token",
+        "PYTHONPATH": _install_test_plugins(),
+    }
+    ray = Path(sys.executable).with_name("ray")
+    proc = subprocess.Popen(
+        [
+            str(ray), "start", "--head", "--block", f"--port={port}",
+            f"--num-cpus={SHARED_RAY_CPUS}", "--num-gpus=0", "--include-dashboard=false",
+            "--disable-usage-stats", "--node-ip-address=127.0.0.1",
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,  # stopped with its whole process group, never `ray stop`
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen = []
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:
+        seen.append(line)
+        if "Ray runtime started" in line:
+            break
+        assert time.monotonic() < deadline, "".join(seen)
+    else:
+        raise RuntimeError(f"ray start failed:\n{''.join(seen)}")
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
+    atexit.register(_stop_shared_ray, proc)
+    _shared_ray = (f"127.0.0.1:{port}", proc)
+
+
+def _stop_shared_ray(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _install_test_plugins() -> str:
+    """Writes the test plugins into TEST_MODULES; the PYTHONPATH that finds them."""
     TEST_MODULES.mkdir(exist_ok=True)
     _write(TEST_MODULES / "miles_test_rewards.py", REWARD_MODULE)
     install_plugin("loss_plugin", LOSS_PLUGIN)
     install_plugin("chaos", CHAOS_PLUGIN)
     install_plugin("family", FAMILY_PLUGIN)
-    pythonpath = os.pathsep.join(filter(None, [str(TEST_MODULES), os.environ.get("PYTHONPATH")]))
+    return os.pathsep.join(filter(None, [str(TEST_MODULES), os.environ.get("PYTHONPATH")]))
+
+
+def run_miles(
+    *args: str,
+    cwd: Path | None = None,
+    timeout: int = 300,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`miles ARGS` in a subprocess (its own process group, so Ray's processes end with it). Past
+    `timeout` the test fails with the stacks of the CLI's threads (it dumps them on SIGUSR1).
+
+    `miles run` joins this test worker's Ray (`shared_ray`, as `--ray-address` joins a cluster)
+    instead of starting a Ray of its own, which costs seconds of CPU per run. A run given `env`
+    starts its own (a Ray that is already up does not see a run's environment), as does one
+    with its own `--ray-address`."""
+    joins = args[:1] == ("run",) and not (env or "--ray-address" in args)
+    pythonpath = _install_test_plugins()
     env = {**os.environ, "CI": "1", "RAY_DEDUP_LOGS": "0", "PYTHONPATH": pythonpath, **(env or {})}
+    if joins:
+        args = (*args, "--ray-address", shared_ray())
+        env["RAY_AUTH_MODE"] = "token"
     proc = subprocess.Popen(
         [*MILES, *args],
         stdout=subprocess.PIPE,

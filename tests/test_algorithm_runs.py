@@ -10,6 +10,9 @@ import pytest
 
 from .conftest import read_jsonl, run_miles, write_config
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 
 def test_third_party_loss_plugin_by_name(tmp_path: Path, tiny_assets: dict[str, str]) -> None:
     cfg = write_config(

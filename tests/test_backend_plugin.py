@@ -22,6 +22,9 @@ from miles.core.memory import engine, sharded_data_parallel
 from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.train.config import FSDPConfig
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 
 def _log(line):
     with open(os.environ["MILES_TEST_BACKEND_LOG"], "a") as f:

@@ -18,6 +18,9 @@ import yaml
 from .chaos import ChaosMonkey
 from .conftest import MILES, TEST_MODULES, read_jsonl
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(1800)
+
 # How far the learning outcome (held-out reward over 256 prompts) may lie from the unharmed
 # run's, and the least the unharmed run must reach for the comparison to mean anything (an
 # untrained policy scores about 0.12).

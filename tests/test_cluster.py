@@ -22,6 +22,9 @@ import pytest
 
 from .conftest import MILES, TEST_MODULES, read_jsonl
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(1200)
+
 
 class LocalCluster:
     """`ray start` processes, each in a session of its own: stopping one stops that node only.

@@ -13,6 +13,9 @@ import yaml
 
 from .conftest import make_venv, sh, venv_env
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 # A Llama-shaped checkpoint's config.json: no installed family covers it in a core-only venv.
 LLAMA = {
     "model_type": "llama",

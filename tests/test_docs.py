@@ -50,6 +50,10 @@ import yaml
 
 from .conftest import read_jsonl, run_miles, write_config
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = ROOT / ".venv" / "bin"
 PYTHON = VENV_BIN / "python" if (VENV_BIN / "python").exists() else Path(sys.executable)

@@ -21,6 +21,9 @@ from miles.core.plugins import get_plugin_manager
 
 from .conftest import read_jsonl, run_miles
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(1200)
+
 
 def _families() -> list[str]:
     manager = get_plugin_manager()

@@ -20,6 +20,9 @@ import pytest
 
 from .conftest import MILES, TEST_MODULES, read_jsonl, run_miles, write_config
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 P, N = 4, 4  # prompts per step, samples per prompt (write_config's defaults)
 
 
@@ -41,29 +44,41 @@ def _assert_every_sample_once(run_dir: Path, steps: int) -> list[dict[str, Any]]
     return ledger
 
 
-def test_one_step_off_trains_one_version_behind(
-    tmp_path: Path, tiny_assets: dict[str, str]
-) -> None:
-    run_dir = _run(
-        tmp_path,
-        tiny_assets,
-        "off",
-        mode="one_step_off",
-        steps=4,
-        algorithm={"correction": "tis"},
-        checkpoint={"at_end": False},
-    )
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+# The uninterrupted runs that several tests read (each also the reference a killed and resumed
+# run must match): made once per module.
+WHOLE_STEPS = 5
+ONE_STEP_OFF: dict[str, Any] = {"mode": "one_step_off", "algorithm": {"correction": "tis"}}
+CHECKPOINTED: dict[str, Any] = {"checkpoint": {"every": 1, "keep_last": 2}}
+
+
+@pytest.fixture(scope="module")
+def whole_sync(tmp_path_factory: pytest.TempPathFactory, tiny_assets: dict[str, str]) -> Path:
+    """5 steps in sync mode, a checkpoint after each."""
+    root = tmp_path_factory.mktemp("whole-sync")
+    return _run(root, tiny_assets, "whole", steps=WHOLE_STEPS, **CHECKPOINTED)
+
+
+@pytest.fixture(scope="module")
+def whole_one_step_off(
+    tmp_path_factory: pytest.TempPathFactory, tiny_assets: dict[str, str]
+) -> Path:
+    """5 steps in one_step_off mode, a checkpoint after each."""
+    root = tmp_path_factory.mktemp("whole-off")
+    return _run(root, tiny_assets, "whole", steps=WHOLE_STEPS, **ONE_STEP_OFF, **CHECKPOINTED)
+
+
+def test_one_step_off_trains_one_version_behind(whole_one_step_off: Path) -> None:
+    rows = read_jsonl(whole_one_step_off / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(WHOLE_STEPS))
     # Batch 0 is on-policy; every later batch was generated while the step before it trained.
-    assert [r["async/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["async/staleness_mean"] for r in rows] == [0.0] + [1.0] * (WHOLE_STEPS - 1)
     for row in rows:
         assert {
             "async/buffer_fill",
             "perf/trainer_idle_frac",
             "perf/rollout_idle_frac",
         } <= row.keys()
-    _assert_every_sample_once(run_dir, 4)
+    _assert_every_sample_once(whole_one_step_off, WHOLE_STEPS)
 
 
 @pytest.mark.parametrize("on_update", ["continue", "requeue"])
@@ -213,17 +228,18 @@ def test_killed_train_rank_restarts_from_the_checkpoint(
 
 
 def test_a_train_restart_resumes_from_the_snapshot_and_redoes_the_steps_exactly(
-    tmp_path: Path, tiny_assets: dict[str, str]
+    tmp_path: Path, tiny_assets: dict[str, str], whole_sync: Path
 ) -> None:
     """Snapshots every 2 steps, no checkpoint: the train group dies in step 3's training, comes
     back from step 1's snapshot, trains step 2 again on its batch, then step 3. Every metric
-    matches an unharmed run of the same seed: nothing was lost or trained twice."""
+    matches an unharmed run of the same seed (checkpoints change nothing it computes): nothing
+    was lost or trained twice."""
     sections: dict[str, Any] = {
-        "steps": 5,
+        "steps": WHOLE_STEPS,
         "fault": {"backoff_s": 0.1, "snapshot_every": 2},
         "checkpoint": {"at_end": False},
     }
-    whole = _run(tmp_path, tiny_assets, "whole", **sections)
+    whole = whole_sync
     marker = _chaos_marker(tmp_path)
     train = {"backend": "chaos_fsdp", "kill_at_train_step": 4, "marker": marker}
     run_dir = _run(tmp_path, tiny_assets, "killed", train=train, **sections)
@@ -356,11 +372,11 @@ def _comparable(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_resume_after_a_kill_matches_an_uninterrupted_run(
-    tmp_path: Path, tiny_assets: dict[str, str]
+    tmp_path: Path, tiny_assets: dict[str, str], whole_sync: Path
 ) -> None:
-    steps, kill_after = 5, 2
-    sections: dict[str, Any] = {"steps": steps, "checkpoint": {"every": 1, "keep_last": 2}}
-    whole = _run(tmp_path, tiny_assets, "whole", **sections)
+    steps, kill_after = WHOLE_STEPS, 2
+    sections: dict[str, Any] = {"steps": steps, **CHECKPOINTED}
+    whole = whole_sync
 
     cfg = write_config(tmp_path / "killed.yaml", tiny_assets, **sections)
     run_dir = tmp_path / "killed"
@@ -532,19 +548,14 @@ def _kill_after_checkpoint(cfg: Path, run_dir: Path, step: int) -> dict[str, Any
 
 
 def test_one_step_off_resume_restores_the_batch_in_flight_exactly(
-    tmp_path: Path, tiny_assets: dict[str, str]
+    tmp_path: Path, tiny_assets: dict[str, str], whole_one_step_off: Path
 ) -> None:
     """In one_step_off, each checkpoint holds the next step's batch (generated with the weights
     before it): resumed, the run trains that very batch, one version behind, and matches an
     uninterrupted run metric for metric."""
-    steps = 5
-    sections: dict[str, Any] = {
-        "steps": steps,
-        "mode": "one_step_off",
-        "algorithm": {"correction": "tis"},
-        "checkpoint": {"every": 1, "keep_last": 2},
-    }
-    whole = _run(tmp_path, tiny_assets, "whole", **sections)
+    steps = WHOLE_STEPS
+    sections: dict[str, Any] = {"steps": steps, **ONE_STEP_OFF, **CHECKPOINTED}
+    whole = whole_one_step_off
     run_dir = tmp_path / "killed"
     state = _kill_after_checkpoint(
         write_config(tmp_path / "k.yaml", tiny_assets, **sections), run_dir, 2

@@ -11,6 +11,9 @@ import pytest
 from .conftest import read_jsonl, run_miles, write_config
 from .test_quickstart import learned
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 
 @pytest.fixture(scope="module")
 def tied_moe(

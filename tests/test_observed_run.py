@@ -32,6 +32,9 @@ from .conftest import TRACED_RANKS as RANKS
 from .conftest import TRACED_STEPS as STEPS
 from .conftest import read_jsonl, run_miles, write_config
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 # ── tracing ───────────────────────────────────────────────────────────────────────────────────
 
 

@@ -15,6 +15,9 @@ import pytest
 
 from .conftest import ROOT, build_wheel, make_venv, sh, venv_env
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory, core_wheel: Path) -> dict[str, Path]:

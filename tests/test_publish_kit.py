@@ -16,6 +16,10 @@ from miles.plugin_kit.scaffold import RewardNames, scaffold_reward
 
 from .conftest import ROOT, build_wheel, make_venv, sh, venv_env
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
+
 # Four rewards, each breaking one rule that `miles plugins check` enforces.
 BAD_PLUGIN = """
 import random

@@ -13,6 +13,9 @@ import pytest
 
 from .conftest import read_jsonl, run_miles
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 
 def _run(run_dir: Path, *overrides: str) -> list[dict[str, Any]]:
     args = [a for o in ("telemetry.progress=false", *overrides) for a in ("--set", o)]

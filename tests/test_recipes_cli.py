@@ -6,11 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from miles.core.config import parse
 
 from .conftest import read_jsonl, run_miles
+
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 
 FRONTIER = {
     "deepseek-v4-flash-grpo": "deepseek-ai/DeepSeek-V4-Flash",

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from .conftest import read_jsonl, run_miles, write_config
+
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
 
 
 def test_failing_reward_marks_samples_and_the_run_goes_on(

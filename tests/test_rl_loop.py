@@ -9,6 +9,9 @@ import pytest
 
 from .conftest import read_jsonl, run_miles, write_config
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 REQUIRED_METRICS = {
     "step",
     "rollout/reward_mean",

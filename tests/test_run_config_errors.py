@@ -8,6 +8,9 @@ import pytest
 
 from .conftest import run_miles, write_config
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(300)
+
 
 @pytest.mark.parametrize(
     ("overrides", "expected"),

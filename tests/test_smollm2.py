@@ -19,6 +19,9 @@ import yaml
 
 from .conftest import read_jsonl, run_miles
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 PARAMETERS = 134_515_008
 # GGUF tensor -> the transformers name it must land under (no q/k, whose rows llama.cpp permutes).
 SAME = {

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 SCRIPT = Path(__file__).with_name("vocab_parallel_check.py")
 
 

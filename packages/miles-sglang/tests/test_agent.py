@@ -22,6 +22,9 @@ from miles.sglang.agent_rollout import AgentRollout
 from miles.sglang.agents import AgentOutcome, AgentRolloutConfig, AgentSession
 from miles.sglang.calculator_agent import calculator
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(1200)
+
 
 class _Ctx:
     """The rollout context over one in-process engine."""

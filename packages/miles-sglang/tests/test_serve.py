@@ -19,6 +19,9 @@ from miles.core.runtime.process import free_port
 from miles.sglang import protocol as wire
 from miles.torch.testing import make_tiny_model
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(300)
+
 VOCAB = 128
 
 

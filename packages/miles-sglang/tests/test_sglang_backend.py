@@ -11,6 +11,9 @@ from typing import Any
 
 import pytest
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(1200)
+
 
 def miles_run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

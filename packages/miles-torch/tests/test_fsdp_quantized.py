@@ -10,8 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from miles.core.config import LoRAConfig
+from miles.core.types import GenerateRequest, PackedBatch, Sample, SamplingParams
 from miles.precision.config import Int4QATConfig, QuantConfig
 from miles.precision.quantized import (
     QuantizedPrecision,
@@ -93,3 +96,77 @@ def test_a_quantized_precision_that_converts_nothing_is_refused(
     monkeypatch.setattr(precision, "convert_model", lambda model: 0)
     with pytest.raises(ValueError, match="'fp8' converted no layer"):
         make_trainer(model_path, precision=precision, quantized=True)
+
+
+# Mean |trainer - engine| logprob each LoRA-over-quantized combination stays within (the bounds
+# tests/test_precisions.py held end to end): with adapters, the engine's base is exactly what
+# training quantizes (int4) or skips only training's activation quantization (fp8, mxfp8); merged,
+# base + adapters is quantized again for the engine, which can move a weight by a whole step.
+LORA_MISMATCH = {("int4-qat", "adapters"): 0.02, ("fp8", "adapters"): 0.1}
+LORA_MISMATCH |= {("mxfp8", "adapters"): 0.1} | {(n, "merged"): 0.2 for n in PRECISIONS}
+
+
+def _rollout(engine: TorchRolloutEngine, seed: int) -> tuple[PackedBatch, np.ndarray]:
+    """A batch the engine generated (sampled at temperature 1, as RL does), and its logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
+    requests = [
+        GenerateRequest(i, torch.randint(3, VOCAB, (n,), generator=g).tolist(), sampling)
+        for i, n in enumerate([4, 7, 3, 9])
+    ]
+    results = sorted(engine.results(requests), key=lambda r: r.request_id)
+    samples = [
+        Sample(
+            prompt_ids=req.prompt_ids,
+            response_ids=res.response_ids,
+            rollout_logprobs=res.logprobs,
+            sample_id=req.request_id,
+        )
+        for req, res in zip(requests, results, strict=True)
+    ]
+    batch = PackedBatch.from_samples(samples, advantages=[1.0, -1.0, 0.5, -0.5])
+    return batch, batch.rollout_logprobs
+
+
+@pytest.mark.parametrize("sync", ["merged", "adapters"])
+@pytest.mark.parametrize("name", sorted(PRECISIONS))
+def test_lora_over_a_quantized_precision_trains_adapters_and_engines_follow(
+    model_path: str, make_trainer: Callable[..., Any], tmp_path: Any, name: str, sync: str
+) -> None:
+    """LoRA over quantized projections (QLoRA-style for int4), both sync modes: the adapters
+    train, every sync verifies (the engine's checksum of what it serves is the trainer's), the
+    engine samples within the format's mismatch bound of the trainer, and a checkpoint holds
+    the adapters only. The same path as `miles run` with `precision: P, lora: {sync: S}`."""
+    precision = PRECISIONS[name]()
+    lora = LoRAConfig(rank=4, sync=sync)  # type: ignore[arg-type]
+    trainer = make_trainer(model_path, precision=precision, quantized=True, lora=lora, lr=1e-3)
+    engine = TorchRolloutEngine(
+        model_path,
+        dtype="bfloat16",
+        precision=precision,
+        lora=lora if sync == "adapters" else None,
+    )
+    sent = _sync(trainer, engine)
+    assert engine.weights_checksum() == trainer.weights_checksum("bfloat16")
+    if sync == "adapters":  # a small part of the bytes: the adapters alone
+        assert sent and all(".lora_" in n for n in sent)
+    for step in range(3):
+        batch, rollout_lp = _rollout(engine, seed=step)
+        trained_lp = trainer.logprobs(batch).logprobs
+        mask = batch.loss_mask > 0
+        mismatch = float(np.abs(trained_lp - rollout_lp)[mask].mean())
+        assert mismatch < LORA_MISMATCH[name, sync], (step, mismatch)
+        metrics = trainer.train_step(batch, sft)
+        assert metrics["train/grad_norm"] > 0
+        _sync(trainer, engine)
+        assert engine.weights_checksum() == trainer.weights_checksum("bfloat16"), step
+    trainer.save(str(tmp_path / "ckpt"))
+    files = {p.name for p in (tmp_path / "ckpt").rglob("*.safetensors")}
+    assert "adapter.safetensors" in files and "model.safetensors" not in files
+    (adapter_file,) = (tmp_path / "ckpt").rglob("adapter.safetensors")
+    adapters = load_file(str(adapter_file))
+    b_names = [n for n in adapters if n.endswith(".lora_B.weight")]
+    assert b_names
+    for b in b_names:  # every adapter moved the policy off its base (B starts at zero)
+        a = adapters[b.replace(".lora_B.", ".lora_A.")]
+        assert (adapters[b].float() @ a.float()).abs().max() > 0, b

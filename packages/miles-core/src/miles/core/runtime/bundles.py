@@ -33,26 +33,43 @@ class BundleInfo:
 
 
 def probe_bundles(group: Any, topology_label: str | None = None) -> list[BundleInfo]:
-    """Runs one tiny task in each bundle of a ready placement group and reports where it ran.
+    """Where each bundle of a ready placement group is: node, IP, topology group, GPU ids.
 
-    A task only sees GPU ids for the GPUs it requested (with num_gpus=0, `ray.get_gpu_ids()` is
-    empty), so each probe asks for all of its bundle's GPUs: call this before the bundles are
-    filled with actors, or the probes wait for them.
+    Node, IP and labels come from the cluster's tables. GPU ids are known only inside a bundle,
+    so each bundle that holds GPUs runs one tiny task that asks for all of them (with
+    num_gpus=0, `ray.get_gpu_ids()` is empty): call this before those bundles are filled with
+    actors, or the probes wait for them. A bundle without GPUs starts no process.
     """
     import ray
+    from ray.util.placement_group import placement_group_table
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    placed = placement_group_table(group).get("bundles_to_node_id") or {}
+    nodes = {n["NodeID"]: n for n in ray.nodes()}  # type: ignore[no-untyped-call]
     probe = ray.remote(_where)
-    refs = [
-        probe.options(
-            num_cpus=0,
-            num_gpus=spec.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, index),
-        ).remote(index, topology_label)
-        for index, spec in enumerate(group.bundle_specs)
-    ]
-    infos: list[BundleInfo] = ray.get(refs, timeout=300)
-    return infos
+    infos: list[Any] = []
+    for index, spec in enumerate(group.bundle_specs):
+        node = nodes.get(placed.get(index) or placed.get(str(index)) or "")
+        if spec.get("GPU", 0) or node is None:
+            strategy = PlacementGroupSchedulingStrategy(group, index)
+            options = {"num_cpus": 0, "num_gpus": spec.get("GPU", 0)}
+            infos.append(
+                probe.options(**options, scheduling_strategy=strategy).remote(index, topology_label)
+            )
+        else:
+            labels = dict(node.get("Labels") or {}) if topology_label else {}
+            infos.append(
+                BundleInfo(
+                    index=index,
+                    node_id=node["NodeID"],
+                    node_ip=node["NodeManagerAddress"],
+                    gpu_ids=(),
+                    topology=_label(labels, topology_label),
+                )
+            )
+    refs = [i for i in infos if not isinstance(i, BundleInfo)]
+    probed = iter(ray.get(refs, timeout=300))
+    return [i if isinstance(i, BundleInfo) else next(probed) for i in infos]
 
 
 def order_bundles(infos: Sequence[BundleInfo]) -> list[BundleInfo]:
@@ -98,16 +115,20 @@ def _ip_key(ip: str) -> tuple[int, int, str]:
     return (address.version, int(address), "")
 
 
+def _label(labels: dict[str, Any], topology_label: str | None) -> str:
+    value = labels.get(topology_label or "", "")
+    return str(value[0] if isinstance(value, list) and value else value or "")
+
+
 def _where(index: int, topology_label: str | None) -> BundleInfo:
     import ray
 
     context = ray.get_runtime_context()
     labels: dict[str, Any] = dict(context.get_node_labels() or {}) if topology_label else {}
-    value = labels.get(topology_label or "", "")
     return BundleInfo(
         index=index,
         node_id=context.get_node_id(),
         node_ip=ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
         gpu_ids=tuple(sorted(int(g) for g in ray.get_gpu_ids())),
-        topology=str(value[0] if isinstance(value, list) and value else value or ""),
+        topology=_label(labels, topology_label),
     )

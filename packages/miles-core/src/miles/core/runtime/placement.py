@@ -176,17 +176,24 @@ class TrainLauncher:
             for trainer in trainers:
                 ray.kill(trainer, no_restart=True)
 
-    def _start(self) -> list[Any]:
-        # The rendezvous lives where rank 0 will run: ask a task in rank 0's bundle.
+    def _rendezvous(self) -> tuple[str, int]:
+        """Rank 0's address and a free port there: picked here when rank 0's bundle is on this
+        node, else by a task in that bundle."""
+        if bundle_nodes(self.group, [self.bundles[0]]) == {node_id()}:
+            return _address()
         probe = ray.remote(_address).options(num_cpus=0, scheduling_strategy=self._at(0))
         try:
-            master_addr, master_port = ray.get(probe.remote(), timeout=self.node_wait_s)
+            address: tuple[str, int] = ray.get(probe.remote(), timeout=self.node_wait_s)
         except GetTimeoutError:  # its node died, and the bundle found no other
             raise NoPlaceError(
                 f"the train group's bundles found no live node within fault.node_wait_s="
                 f"{self.node_wait_s:g}s: add a node with their resources, or raise "
                 "fault.node_wait_s"
             ) from None
+        return address
+
+    def _start(self) -> list[Any]:
+        master_addr, master_port = self._rendezvous()
         return [
             ray.remote(TrainActor)
             .options(
@@ -278,10 +285,8 @@ class Placement:
         device = "cuda" if gpus else "cpu"
         common = {"config": config, "run_dir": run_dir, "device": device, "num_threads": threads}
         wait = config.fault.node_wait_s
-        train_launcher = TrainLauncher(
-            group, train_at, share, share if gpus else 0, kwargs=common, node_wait_s=wait
-        )
-        trainers = train_launcher.launch()
+        # Engines and coordinators start first, without waiting: they load their models and
+        # data while the train group starts (its launch waits for every rank).
         engine_launcher = EngineLauncher(
             group,
             engine_at,
@@ -308,6 +313,10 @@ class Placement:
             .options(num_cpus=0, scheduling_strategy=here)
             .remote(config, run_dir, engines)
         )
+        train_launcher = TrainLauncher(
+            group, train_at, share, share if gpus else 0, kwargs=common, node_wait_s=wait
+        )
+        trainers = train_launcher.launch()
         # Surface constructor errors (bad checkpoint, missing file) here, not at the first step.
         ray.get([h.health.remote() for h in handles] + [rollout.flush.remote()])
         ray.get([t.flush.remote() for t in trainers] + [engines.connect.remote(rollout)])
