@@ -113,19 +113,20 @@ class LocalCluster:
             f"while (ray.cluster_resources().get('CPU', 0) < {cpus} or not up()) "
             "and time.time() < deadline:\n"
             "    time.sleep(0.5)\n"
-            "print(int(ray.cluster_resources().get('CPU', 0)))\n"
-            "print(__import__('json').dumps([{'id': n['NodeID'], 'alive': n['Alive'], "
+            "print('CPUS', int(ray.cluster_resources().get('CPU', 0)))\n"
+            "print('NODES', __import__('json').dumps([{'id': n['NodeID'], 'alive': n['Alive'], "
             "'labels': n.get('Labels', {}), 'cpus': n['Resources'].get('CPU', 0)} "
             "for n in ray.nodes()]))\n"
         )
         done = subprocess.run(
             [sys.executable, "-c", probe], capture_output=True, text=True, env=self.env, timeout=180
         )
-        lines = done.stdout.strip().splitlines()
-        assert done.returncode == 0 and int(lines[-2]) >= cpus, (
+        # Ray's own messages (a node marked dead, ...) can come in between: read ours by name.
+        said = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+        assert done.returncode == 0 and int(said.get("CPUS", -1)) >= cpus, (
             done.stdout + done.stderr + self.output()
         )
-        self.node_table: list[dict[str, Any]] = json.loads(lines[-1])
+        self.node_table: list[dict[str, Any]] = json.loads(said["NODES"])
 
     def kill(self, node: subprocess.Popen[bytes]) -> None:
         """The node dies: its raylet and every worker process on it, at once."""

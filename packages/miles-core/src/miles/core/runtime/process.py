@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import io
 import os
 import signal
 import socket
@@ -19,8 +21,10 @@ from miles.core.observability import configure_tracing
 
 def dump_stacks_on_sigusr1() -> None:
     """`kill -USR1 PID` makes this process print every thread's stack to its stderr (an actor's
-    goes to its Ray worker log): where a stuck run waits, without a debugger."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    goes to its Ray worker log): where a stuck run waits, without a debugger. Nothing where
+    stderr is not a file (a caller capturing it)."""
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def init_actor_process(run_dir: str | None, *, role: str, log_level: str = "info") -> None:
