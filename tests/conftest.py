@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import gzip
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
@@ -394,6 +397,32 @@ def run_miles(
     if hung:
         pytest.fail(f"miles {' '.join(args)}: no end after {timeout}s\n{err[-12000:]}", False)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Callable[..., Path]:
+    """`shared_runs(NAME, *ARGS)`: the run directory of `miles run ARGS`, made once per test
+    session by whichever test worker asks first (the others wait for it, then read it), for an
+    uninterrupted run that tests in several files read. A failed run fails every test that asks
+    for it, with its output, without running again."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base if worker_id == "master" else base.parent) / "shared-runs"
+    root.mkdir(exist_ok=True)
+
+    def get(name: str, *args: str, timeout: int = 600) -> Path:
+        run_dir = root / name
+        done, failed = root / f"{name}.done", root / f"{name}.failed"
+        with (root / f"{name}.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not done.exists() and not failed.exists():
+                shutil.rmtree(run_dir, ignore_errors=True)
+                proc = run_miles("run", *args, "--run-dir", str(run_dir), timeout=timeout)
+                (failed if proc.returncode else done).write_text(proc.stderr)
+        if failed.exists():
+            pytest.fail(f"the shared run {name!r} failed:\n{failed.read_text()[-4000:]}", False)
+        return run_dir
+
+    return get
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

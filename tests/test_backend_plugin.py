@@ -14,6 +14,9 @@ import yaml
 
 from .conftest import install_plugin, run_miles
 
+# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
+pytestmark = pytest.mark.timeout(600)
+
 PLUGIN = """
 import os
 
@@ -21,9 +24,6 @@ from miles.core import Capability, ComponentSpec, Kind, hookimpl
 from miles.core.memory import engine, sharded_data_parallel
 from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.train.config import FSDPConfig
-
-# End-to-end runs: each test's own time limit (the suite's default is for unit tests).
-pytestmark = pytest.mark.timeout(600)
 
 
 def _log(line):

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import yaml
 
 from .chaos import ChaosMonkey
 from .conftest import MILES, TEST_MODULES, read_jsonl
+from .test_quickstart import QUICKSTART
 
 # End-to-end runs: each test's own time limit (the suite's default is for unit tests).
 pytestmark = pytest.mark.timeout(1800)
@@ -89,14 +91,22 @@ def _assert_every_sample_once(run_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], Path]:
-    """(mode, harmed) -> run dir: the four runs, two at a time (four at once took longer on the
-    2-core CI machine: 300 s against 223-290 s). Each has its own Ray, and each monkey kills
-    only its own run's processes."""
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, shared_runs: Callable[..., Path]
+) -> dict[tuple[str, bool], Path]:
+    """(mode, harmed) -> run dir: the runs two at a time (four at once took longer on the 2-core
+    CI machine: 300 s against 223-290 s). Each harmed run has its own Ray, and each monkey kills
+    only its own run's processes. The unharmed sync run is the quickstart test_quickstart.py
+    reads (the chaos settings change no number: checkpoints and restart budgets)."""
     root = tmp_path_factory.mktemp("chaos")
     keys = [(mode, harmed) for mode in MODES for harmed in (True, False)]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        jobs = {k: pool.submit(_quickstart, root / f"{k[0]}-{k[1]}", *k) for k in keys}
+        jobs = {
+            k: pool.submit(shared_runs, "quickstart", *QUICKSTART)
+            if k == ("sync", False)
+            else pool.submit(_quickstart, root / f"{k[0]}-{k[1]}", *k)
+            for k in keys
+        }
         return {k: job.result() for k, job in jobs.items()}
 
 

@@ -160,6 +160,17 @@ def _miles_run(cluster: LocalCluster, run: Path, *sets: str) -> subprocess.Popen
     )
 
 
+def _wait_for_a_step(proc: subprocess.Popen[str], run: Path, cluster: LocalCluster) -> None:
+    """Until the run's first step is in metrics.jsonl; fails with its output if it ends first."""
+    deadline = time.monotonic() + 600
+    while not (run / "metrics.jsonl").is_file() or not read_jsonl(run / "metrics.jsonl"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, _ = proc.communicate()
+            pytest.fail(f"no step (exit {proc.returncode}):\n{out[-4000:]}\n{cluster.output()}")
+        time.sleep(0.2)
+
+
 def test_a_cpu_head_and_worker_nodes_run_the_quickstart_where_the_layout_says(tmp_path, cluster):
     cluster.add_worker(2, "r1", "w0")
     cluster.add_worker(2, "r1", "w1")
@@ -211,11 +222,8 @@ def test_a_worker_node_lost_mid_run_costs_restarts_not_the_run(tmp_path, cluster
         "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "fault.backoff_s=0.5",
     )  # fmt: skip
     try:
+        _wait_for_a_step(proc, run, cluster)
         deadline = time.monotonic() + 600
-        while not (run / "metrics.jsonl").is_file() or not read_jsonl(run / "metrics.jsonl"):
-            assert proc.poll() is None, proc.stdout.read()[-4000:] if proc.stdout else ""
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
         # The driver holds still from here until both engines are back (failure detection,
         # re-placement and restarts all run in the engine group's actor), so the run cannot
         # end first; then it goes on, and its next weight sync takes the new engines in.
@@ -319,11 +327,7 @@ def test_the_train_ranks_node_lost_mid_run_restarts_the_train_group_on_a_new_nod
         "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "fault.backoff_s=0.5",
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 600
-        while not (run / "metrics.jsonl").is_file() or not read_jsonl(run / "metrics.jsonl"):
-            assert proc.poll() is None, proc.stdout.read()[-4000:] if proc.stdout else ""
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        _wait_for_a_step(proc, run, cluster)
         os.kill(proc.pid, signal.SIGSTOP)  # the node dies before the run can end
         try:
             layout = json.loads((run / "manifest.json").read_text())["layout"]
@@ -364,10 +368,7 @@ def test_a_lost_node_that_no_node_replaces_fails_the_run_clearly(tmp_path, clust
         "fault.node_wait_s=3", "fault.max_engine_restarts=1",
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 600
-        while not (run / "metrics.jsonl").is_file() or not read_jsonl(run / "metrics.jsonl"):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
+        _wait_for_a_step(proc, run, cluster)
         layout = json.loads((run / "manifest.json").read_text())["layout"]
         engine_node = next(x["node_id"] for x in layout if x["role"] == "engine")
         name = next(n["labels"]["name"] for n in cluster.node_table if n["id"] == engine_node)

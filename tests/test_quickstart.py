@@ -6,6 +6,7 @@ policy can do without RL, and the same assertions must fail for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,12 @@ def test_untrained_policy_does_not_pass(control: list[dict[str, Any]]) -> None:
     assert not learned(control)
 
 
-def test_quickstart_learns(tmp_path: Path, control: list[dict[str, Any]]) -> None:
-    rows = _run(tmp_path / "run")
+# The quickstart as the README runs it. test_chaos.py reads the same run as its unharmed one.
+QUICKSTART = ("quickstart", "--set", "telemetry.progress=false")
+
+
+def test_quickstart_learns(shared_runs: Callable[..., Path], control: list[dict[str, Any]]) -> None:
+    rows = read_jsonl(shared_runs("quickstart", *QUICKSTART) / "metrics.jsonl")
     steps = [r for r in rows if "rollout/reward_mean" in r]
     assert steps[0]["rollout/reward_mean"] <= 0.4
     assert rows[-1]["eval/reward_mean"] >= 0.8

@@ -128,6 +128,13 @@ def test_cpu_time_limit() -> None:
     assert r.wall_s < 3.0
 
 
+def test_a_program_that_ignores_sigxcpu_is_killed_a_second_later() -> None:
+    code = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass"
+    r = run(code, limits=SandboxLimits(wall_s=8.0, cpu_s=1))
+    assert r.status == "timeout" and "CPU-time" in r.reason and r.exit_code == -9, r.reason
+    assert 1.5 < r.wall_s < 6.0
+
+
 def test_sleeping_program_is_killed_at_the_wall_clock() -> None:
     r = run("import time\ntime.sleep(60)", limits=SandboxLimits(wall_s=0.5))
     assert r.status == "timeout" and r.contained and r.wall_s < 2.0

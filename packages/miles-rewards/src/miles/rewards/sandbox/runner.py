@@ -433,7 +433,11 @@ def _classify(
         return "timeout", f"wall-clock limit of {limits.wall_s:g}s reached; killed"
     if exit_code is None:
         return "killed", "the program ended without a report"
-    if exit_code in (-signal.SIGKILL, -signal.SIGXCPU) and cpu_s >= limits.cpu_seconds - 0.05:
+    # SIGXCPU comes from RLIMIT_CPU (a program can only send it to itself, to no gain); SIGKILL
+    # from its hard limit a second later, should the program ignore SIGXCPU.
+    if exit_code == -signal.SIGXCPU or (
+        exit_code == -signal.SIGKILL and cpu_s >= limits.cpu_seconds - 0.05
+    ):
         return "timeout", f"CPU-time limit of {limits.cpu_seconds}s reached"
     if exit_code != 0 and b"MemoryError" in stderr[-4096:]:
         return "memory", f"memory limit of {limits.memory_mb} MiB reached (MemoryError)"
