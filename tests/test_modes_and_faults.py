@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -401,17 +402,20 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(
     _assert_every_sample_once(run_dir, steps)
 
 
-def test_resume_skips_a_corrupt_checkpoint(tmp_path: Path, tiny_assets: dict[str, str]) -> None:
-    run_dir = _run(tmp_path, tiny_assets, "run", steps=3, checkpoint={"every": 1, "keep_last": 3})
-    newest = run_dir / "checkpoints" / "step_2" / "train" / "model.safetensors"
+def test_resume_skips_a_corrupt_checkpoint(tmp_path: Path, whole_sync: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(whole_sync, run_dir)  # checkpoints step_3 and step_4 (keep_last 2)
+    newest = run_dir / "checkpoints" / f"step_{WHOLE_STEPS - 1}" / "train" / "model.safetensors"
     data = bytearray(newest.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit in the weights
     newest.write_bytes(bytes(data))
-    proc = run_miles("run", "--resume", "--run-dir", str(run_dir), "--set", "steps=4")
+    steps = WHOLE_STEPS + 1
+    proc = run_miles("run", "--resume", "--run-dir", str(run_dir), "--set", f"steps={steps}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = (run_dir / "events.jsonl").read_text()
     assert "checkpoint is corrupt or partial; using an older one" in events
-    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
+    # Resumed from step_3: step 4 is done again, then step 5.
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(steps))
 
 
 def test_local_ray_refuses_clients_without_the_token(

@@ -95,3 +95,16 @@ def test_datasets_are_deterministic_per_seed(tmp_path: Path) -> None:
     for name in a:
         assert Path(a[name]).read_text() == Path(b[name]).read_text()
     assert Path(a["eval"]).read_text() != Path(c["eval"]).read_text()
+
+
+def test_a_model_path_of_the_users_own_builds_no_twin(tmp_path: Path) -> None:
+    """`miles run quickstart --set model.path=...`: the datasets are made, the model is not."""
+    from miles.core.config import apply_overrides
+    from miles.core.runner import check_config
+    from miles.recipes.quickstart import CONFIG, PREPARES, prepare
+
+    data = apply_overrides(dict(CONFIG), [f"model.path={tmp_path / 'mine'}"])
+    made = prepare(tmp_path / "assets", check_config(data, None, made_later=PREPARES))
+    assert made["model.path"] == str(tmp_path / "mine")
+    assert not (tmp_path / "assets" / "model").exists()
+    assert _rows(made["data.path"]) and _rows(made["eval.data"])

@@ -50,7 +50,8 @@ def prepare(assets: Path, config: RunConfig, *, default_family: str = "qwen3") -
     from miles.recipes import quickstart_task
 
     model_dir, data_dir = assets / "model", assets / "data"
-    if not (model_dir / "config.json").exists():
+    # A model.path of the user's own (--set) wins over the twin: none is built then.
+    if not config.model.path and not (model_dir / "config.json").exists():
         quickstart_task.build_model(
             model_dir, config.seed, family=config.model.family or default_family
         )
@@ -59,7 +60,7 @@ def prepare(assets: Path, config: RunConfig, *, default_family: str = "qwen3") -
     else:
         paths = {n: str(data_dir / f"{n}.jsonl") for n in ("rl_train", "eval", "sft")}
     return {
-        "model.path": str(model_dir),
+        "model.path": config.model.path or str(model_dir),
         "data.path": paths["rl_train"],
         "eval.data": paths["eval"],
         "warmstart.data": paths["sft"],

@@ -25,7 +25,6 @@ import random
 from pathlib import Path
 from typing import Any
 
-from miles.recipes.twins import write_twin
 from miles.recipes.words import INSTRUCTION, NUM_ITEMS, NUM_VALUES, vocabulary
 
 __all__ = ["INSTRUCTION", "NUM_ITEMS", "NUM_VALUES", "build_model", "vocabulary", "write_datasets"]
@@ -41,6 +40,9 @@ def build_model(out_dir: str | Path, seed: int, *, family: str = "qwen3", **over
     """Writes the tiny twin of `family` (random weights, safetensors) with this task's tokenizer
     to `out_dir`. The Qwen3 twin is a ~100k-parameter model: big enough for the rule, small
     enough for a 2-core CPU; the Qwen3-MoE twin has the same shape with 4 experts, top-2."""
+    # Imported here: the datasets alone need neither torch nor transformers.
+    from miles.recipes.twins import write_twin
+
     write_twin(family, out_dir, seed=seed, **overrides)
 
 

@@ -3,9 +3,10 @@ turns logits into gate weights for a given set of experts."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # only tensor methods run here: no torch import for the driver's family lookup
+    import torch
 
 
 def moe_routers(model: Any) -> list[Any]:
@@ -27,7 +28,7 @@ class SoftmaxTopKRouter:
     def gate_weights(
         self, router: Any, logits: torch.Tensor, indices: torch.Tensor
     ) -> torch.Tensor:
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        probs = logits.float().softmax(dim=-1)
         weights = probs.gather(-1, indices)
         if getattr(router, "norm_topk_prob", False):
             weights = weights / weights.sum(dim=-1, keepdim=True)
