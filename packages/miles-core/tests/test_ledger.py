@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from miles.core.runtime.ledger import SampleLedger
 from miles.core.types import Sample
 
@@ -78,3 +80,8 @@ def test_state_round_trips_and_ids_continue() -> None:
     old = SampleLedger(None)
     old.set_state({"next_sample_id": "8", "next_group_id": "3"})
     assert (old.next_sample_id, old.next_group_id, old.counts["created"]) == (8, 3, 0)
+
+
+def test_rows_and_prompts_of_different_lengths_are_refused() -> None:
+    with pytest.raises(ValueError, match="zip"):
+        SampleLedger(None).new_groups([{}, {}], [[1]], samples_per_prompt=2)

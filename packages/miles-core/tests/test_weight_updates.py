@@ -5,10 +5,17 @@ trainer's. No Ray: fake actor handles answer at once, and `ray.get` unwraps thei
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from structlog.testing import capture_logs
 
+from miles.core import telemetry
 from miles.core.config import RunConfig
 from miles.core.runtime import weight_updates
 from miles.core.runtime.train_group import TrainerDied
@@ -18,7 +25,7 @@ from miles.core.runtime.weight_updates import (
     WeightUpdater,
     check_engine_weights,
 )
-from miles.core.weight_sync import SyncPlan
+from miles.core.weight_sync import Bucket, SyncPlan, TensorMeta
 
 TRAINER = "a" * 64  # the trainer's checksum
 
@@ -111,6 +118,13 @@ class World:
     fail_sends: int = 0  # sends that raise (an engine died in the broadcast)
     trainer_dies: bool = False
     rebuild: bool = True  # begin_update's answer
+    plan: SyncPlan = field(default_factory=SyncPlan)  # what the trainer plans to send
+    sent_bytes: int = 1000  # what a send reports
+    # (call, plan, trace carrier) of each receive and send
+    handed: list[tuple[str, Any, Any]] = field(default_factory=list)
+    now: float = 100.0  # the clock `time.perf_counter` reads
+    send_s: float = 0.0  # how long a send takes
+    checksum_s: float = 0.0  # how long the trainer's checksum takes
 
     # the engine group
     def begin_update(self) -> bool:
@@ -126,6 +140,7 @@ class World:
 
     def receive_weights(self, plan: SyncPlan, version: int, trace: Any) -> None:
         self.calls.append(f"receive v{version}")
+        self.handed.append(("receive", plan, trace))
 
     def in_place_targets(self) -> list[Any]:
         self.calls.append("in_place_targets")
@@ -160,10 +175,13 @@ class World:
             raise TrainerDied(RuntimeError("rank 0 died"))
         if method == "checksum":
             self.calls.append(f"checksum {args[0]}")
+            self.now += self.checksum_s
             return TRAINER
         if method in ("send_weights", "send_weights_in_place"):
             version = args[1]
             self.calls.append(f"{method} v{version}")
+            self.handed.append((method, args[0], args[-1]))
+            self.now += self.send_s
             if self.fail_sends:
                 self.fail_sends -= 1
                 raise RuntimeError("gloo: connection closed by peer")
@@ -172,7 +190,7 @@ class World:
                 if self.corrupt.get(i):
                     self.corrupt[i] -= 1
                     self.held[i] = ("f" * 64, version)
-            return 1000
+            return self.sent_bytes
         if method == "join_sync":
             self.calls.append(f"trainer join_sync world={args[2]}")
             return None
@@ -181,7 +199,7 @@ class World:
             return None
         if method == "sync_plan":
             self.calls.append(f"sync_plan {args[0]}")
-            return SyncPlan()
+            return self.plan
         raise AssertionError(method)
 
     @property
@@ -196,6 +214,7 @@ def _updater(
     world: World, monkeypatch: pytest.MonkeyPatch, colocated: bool = False, **config: Any
 ) -> WeightUpdater:
     monkeypatch.setattr(weight_updates.ray, "get", _get)
+    monkeypatch.setattr(weight_updates, "time", SimpleNamespace(perf_counter=lambda: world.now))
     cfg = RunConfig()
     cfg.rollout.engines = world.engines
     cfg.fault.max_engine_restarts = 1
@@ -371,3 +390,120 @@ def test_the_plan_is_asked_with_the_bucket_size_in_bytes(monkeypatch: pytest.Mon
     updater = _updater(world, monkeypatch, rollout__sync_bucket_mb=3)
     updater.make_plan()
     assert world.calls == [f"sync_plan {3 * 2**20}"]
+
+
+def test_the_message_names_the_engine_and_both_checksums_by_their_first_16_digits() -> None:
+    engine = "0123456789abcdef" + "9" * 48
+    trainer = "fedcba9876543210" + "7" * 48
+    with pytest.raises(WeightSyncError) as err:
+        check_engine_weights(trainer, 5, [EngineWeights(3, engine, 4)])
+    assert str(err.value) == (
+        "weight sync verification failed at version 5: engine 3 holds version 4 with checksum "
+        "0123456789abcdef; the trainer's checksum is fedcba9876543210"
+    )
+
+
+def test_verify_without_a_version_checks_the_version_the_engines_should_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = World(held={0: (TRAINER, 0), 1: (TRAINER, 0)})
+    updater = _updater(world, monkeypatch)
+    updater.verify()  # at start: both sides loaded the same model, version 0
+    updater.sync(step=0)
+    updater.verify()  # now version 1
+    world.held[1] = (TRAINER, 0)  # engine 1 lost the update
+    with pytest.raises(WeightSyncError, match="failed at version 1: engine 1 holds version 0"):
+        updater.verify()
+    assert world.calls.count("weights_dtype") == 1
+
+
+def test_the_trainers_plan_goes_to_both_sides_of_every_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plan = SyncPlan((Bucket("bfloat16", (TensorMeta("w", (4, 8), "bfloat16"),)),))
+    world = World(plan=plan)
+    updater = _updater(world, monkeypatch)
+    assert updater.plan == SyncPlan() and updater.plan.num_bytes == 0  # nothing planned yet
+    updater.make_plan()
+    assert updater.plan is plan
+    updater.sync(step=0)
+    assert [(call, p) for call, p, _ in world.handed] == [
+        ("receive", plan),
+        ("send_weights", plan),
+    ]
+
+
+def test_a_sync_is_one_span_whose_context_reaches_engines_and_trainers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(telemetry, "tracer", provider.get_tracer("miles"))
+    for colocated in (False, True):
+        world = World()
+        _updater(world, monkeypatch, colocated=colocated).sync(step=4)
+        (sync_span,) = exporter.get_finished_spans()
+        exporter.clear()
+        assert sync_span.name == "miles.weight_sync"
+        assert dict(sync_span.attributes or {}) == {"step": 4, "version": 1}
+        assert [call for call, _, _ in world.handed] == (
+            ["send_weights_in_place"] if colocated else ["receive", "send_weights"]
+        )
+        for _, _, carrier in world.handed:  # the remote sides' spans are children of this one
+            parent = trace.get_current_span(propagate.extract(carrier)).get_span_context()
+            assert (parent.trace_id, parent.span_id) == (
+                sync_span.context.trace_id,
+                sync_span.context.span_id,
+            )
+
+
+def test_sync_metrics_time_the_whole_sync_the_transfer_and_the_verification(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = World(sent_bytes=3 * 10**9, send_s=1.5, checksum_s=0.25)
+    updater = _updater(world, monkeypatch)
+    metrics = updater.sync(step=0)
+    assert metrics == {
+        "weights/version": 1.0,
+        "weights/sync_bytes": 3e9,
+        "perf/sync_s": 1.75,
+        "perf/sync_gbps": 2.0,  # 3 GB in 1.5 s
+        "perf/sync_verify_s": 0.25,
+    }
+
+
+def test_a_resend_after_failed_verification_is_logged_with_what_the_engine_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = World(corrupt={1: 1})
+    updater = _updater(world, monkeypatch)
+    with capture_logs() as logs:
+        updater.sync(step=0)
+    assert [(e["event"], e["log_level"], e["error"]) for e in logs] == [
+        (
+            "engines hold other weights than sent; sending again",
+            "warning",
+            "weight sync verification failed at version 1: engine 1 holds version 1 with "
+            "checksum ffffffffffffffff; the trainer's checksum is aaaaaaaaaaaaaaaa",
+        )
+    ]
+
+
+def test_each_redone_sync_is_logged_with_its_attempt_and_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = World(fail_sends=2)
+    updater = _updater(world, monkeypatch)
+    with capture_logs() as logs:
+        updater.sync(step=0)
+    error = repr(RuntimeError("gloo: connection closed by peer"))
+    assert logs == [
+        {
+            "event": "weight sync failed; redoing it",
+            "log_level": "warning",
+            "attempt": attempt,
+            "error": error,
+        }
+        for attempt in (1, 2)
+    ]

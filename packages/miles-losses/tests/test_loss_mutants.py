@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from miles.core.protocols import LossInputs
-from miles.losses.advantages import GAEAdvantage, ReinforcePPAdvantage
+from miles.losses.advantages import GAEAdvantage, GRPOAdvantage, ReinforcePPAdvantage
 from miles.losses.configs import (
     CISPOConfig,
     GAEConfig,
+    GRPOConfig,
     GSPOConfig,
     MISConfig,
     PPOClipConfig,
@@ -169,3 +170,25 @@ def test_invalid_configs_name_the_key() -> None:
     with pytest.raises(ValueError, match="cap must be positive"):
         TISConfig(cap=-1.0)
     CISPOConfig(clip_high=0.5)  # valid: no error
+
+
+def test_whitening_divides_by_the_std_plus_eps() -> None:
+    # Two rewards 0 and 1: centred ±0.5, unbiased std sqrt(0.5); a large eps shows in the value.
+    adv = ReinforcePPAdvantage(ReinforcePPConfig(eps=0.5))(np.array([0.0, 1.0]), np.array([0, 1]))
+    assert adv.tolist() == pytest.approx([-0.5 / (0.5**0.5 + 0.5), 0.5 / (0.5**0.5 + 0.5)])
+
+
+def test_grpo_gives_a_group_of_one_a_zero_advantage_not_nan() -> None:
+    adv = GRPOAdvantage(GRPOConfig())(np.array([1.0, 0.0, 1.0]), np.array([0, 1, 1]))
+    assert np.isfinite(adv).all() and adv[0] == 0.0
+    assert adv[1:].tolist() == pytest.approx([-(0.5**0.5), 0.5**0.5], rel=1e-5)  # ±0.5 / std
+
+
+def test_a_sequence_level_correction_takes_numpy_arrays() -> None:
+    """numpy in (the seq_index too), numpy out: the same weights as torch in."""
+    old, rollout = np.array([-1.0, -1.0, -2.0]), np.array([-1.5, -1.5, -2.0])
+    mask, seq = np.ones(3), np.array([0, 0, 1])
+    tis = TIS(TISConfig(level="sequence", cap=10.0))
+    weights, keep, metrics = tis(old, rollout, mask, seq)
+    assert isinstance(weights, np.ndarray) and isinstance(metrics["train/is_ratio_mean"], float)
+    assert weights.tolist() == pytest.approx([math.e, math.e, 1.0]) and keep.tolist() == [1] * 3

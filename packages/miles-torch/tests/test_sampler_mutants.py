@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from miles.core.types import SamplingParams
-from miles.torch.engine.sampler import SamplingTensors, _draw, _top_k_top_p, sample
+from miles.torch.engine import sample_kernel
+from miles.torch.engine.sampler import (
+    NO_SEED,
+    SamplingTensors,
+    _draw,
+    _top_k_top_p,
+    sample,
+    seeded_uniform,
+)
 
 PROBS = [0.5, 0.3, 0.1, 0.06, 0.04]
 VOCAB = len(PROBS)
@@ -30,18 +38,19 @@ def _logprobs(rows: int, order: list[int] | None = None) -> torch.Tensor:
 
 
 def test_from_params_puts_every_field_on_the_device_with_its_dtype() -> None:
-    params = [SamplingParams(0.7, 0.9, 5), SamplingParams(0.0, 1.0, -1)]
+    params = [SamplingParams(0.7, 0.9, 5, min_p=0.1), SamplingParams(0.0, 1.0, -1, seed=2**40)]
     meta = SamplingTensors.from_params(params, torch.device("meta"))
-    assert [t.device.type for t in (meta.temperature, meta.top_p, meta.top_k)] == ["meta"] * 3
+    fields = (meta.temperature, meta.top_p, meta.top_k, meta.min_p, meta.seed)
+    assert [t.device.type for t in fields] == ["meta"] * 5
     cpu = SamplingTensors.from_params(params, torch.device("cpu"))
     assert cpu.temperature.tolist() == pytest.approx([0.7, 0.0])
     assert cpu.top_p.tolist() == pytest.approx([0.9, 1.0])
     assert cpu.top_k.tolist() == [5, -1]
-    assert (cpu.temperature.dtype, cpu.top_p.dtype, cpu.top_k.dtype) == (
-        torch.float32,
-        torch.float32,
-        torch.int64,
-    )
+    assert cpu.min_p.tolist() == pytest.approx([0.1, 0.0])
+    assert cpu.seed.tolist() == [NO_SEED, 2**40]  # no seed: the engine's generator
+    fields = (cpu.temperature, cpu.top_p, cpu.top_k, cpu.min_p, cpu.seed)
+    f32, i64 = torch.float32, torch.int64
+    assert [t.dtype for t in fields] == [f32, f32, i64, f32, i64]
     # No rows (an empty slice of a batch): top_k is still int64, so concatenating keeps it int64.
     empty = SamplingTensors.from_params([], torch.device("cpu"))
     assert empty.top_k.dtype == torch.int64 and empty.temperature.dtype == torch.float32
@@ -163,6 +172,138 @@ def test_draw_stays_in_range_on_a_nan_row() -> None:
     logprobs = torch.tensor([[float("nan")] * 4, [0.0, -inf, -inf, -inf]])
     index = _draw(logprobs, torch.rand(len(logprobs), generator=_gen(0)))
     assert 0 <= int(index[0]) < 4 and int(index[1]) == 0
+
+
+def test_draw_gives_each_token_a_half_open_cdf_interval() -> None:
+    """Token i owns [cdf[i-1], cdf[i]) of the (unnormalised) mass: a uniform of exactly 0, which
+    both the generator and a seed can give, draws the first token with any mass, never a
+    zero-probability token before it, and a uniform on a boundary belongs to the next token."""
+    logprobs = torch.tensor([[-inf, 0.0, -inf, 0.0, -inf]]).expand(3, -1)  # masses 0, 1, 0, 1, 0
+    index = _draw(logprobs, torch.tensor([0.0, 0.5, 0.9999]))
+    assert index.tolist() == [1, 3, 3]
+
+
+def _lowbias32(x: int) -> int:
+    """Chris Wellons' lowbias32 in Python integers."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _seeded_reference(seed: int, counter: int) -> float:
+    """The seeded stream: the low then the high 32 bits of the seed, then the counter, hashed
+    in turn; the top 24 bits of the result as a fraction of 2**24."""
+    h = _lowbias32(_lowbias32(_lowbias32(seed) ^ (seed >> 32)) ^ counter)
+    return (h >> 8) / 2**24
+
+
+def test_seeded_uniform_is_a_fixed_uniform_function_of_seed_and_counter() -> None:
+    seeds = torch.tensor([0, 1, 12345, 2**32 + 1, 2**62 + 12345])
+    counters = torch.tensor([0, 7, 0, 7, 4095])
+    u = seeded_uniform(seeds, counters)
+    assert u.dtype == torch.float32 and u.shape == (5,)
+    want = [_seeded_reference(s, c) for s, c in zip(seeds.tolist(), counters.tolist(), strict=True)]
+    assert u.tolist() == want  # exact: the same stream on every device and in every release
+    # Seeds that differ only above bit 32 give different streams.
+    stream = seeded_uniform(torch.full((64,), 5), torch.arange(64))
+    high = seeded_uniform(torch.full((64,), 5 + 2**40), torch.arange(64))
+    assert not torch.equal(stream, high)
+    # Over many counters: in [0, 1) and spread over all of it.
+    many = seeded_uniform(torch.full((4096,), 3), torch.arange(4096))
+    assert float(many.min()) >= 0.0 and float(many.max()) < 1.0
+    assert float(many.max()) > 0.99 and float(many.min()) < 0.01
+    assert abs(float(many.mean()) - 0.5) < 0.02
+
+
+def _seeded(seeds: list[int | None]) -> SamplingTensors:
+    params = [SamplingParams(temperature=1.0, seed=seed) for seed in seeds]
+    return SamplingTensors.from_params(params, torch.device("cpu"))
+
+
+def test_seeded_rows_draw_from_their_seed_whatever_their_batch_and_generator() -> None:
+    """A seeded request samples its n-th token at seeded_uniform(seed, n): the same tokens alone
+    or batched (via `cat`) with unseeded rows, whatever the engine's generator."""
+    rows = 32
+    logits = _logprobs(rows, order=[3, 0, 4, 1, 2])
+    counters = torch.arange(rows)
+    alone, _ = sample(logits, _seeded([11] * rows), _gen(1), counters)
+    batch = SamplingTensors.cat([_seeded([None] * 3), _seeded([11] * rows)])
+    assert batch.seeded and batch.seed.tolist() == [NO_SEED] * 3 + [11] * rows
+    mixed_logits = torch.cat([_logprobs(3), logits])
+    mixed, _ = sample(
+        mixed_logits, batch, _gen(2), torch.cat([torch.zeros(3, dtype=torch.int64), counters])
+    )
+    assert mixed[3:].tolist() == alone.tolist()
+    probs = torch.tensor([PROBS[[3, 0, 4, 1, 2].index(v)] for v in range(VOCAB)])
+    u = seeded_uniform(torch.full((rows,), 11), counters)
+    want = torch.searchsorted(probs.cumsum(0), u * probs.sum(), right=True)
+    assert alone.tolist() == want.tolist()
+
+
+def test_seeded_rows_without_counters_are_an_error() -> None:
+    with pytest.raises(ValueError, match="counters"):
+        sample(_logprobs(2), _seeded([None, 4]), _gen(0))
+
+
+def _fused_reference(
+    logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `sample_kernel.fused_sample` computes (its docstring), in torch."""
+    logprobs = torch.log_softmax(logits.float() / temperature.unsqueeze(1), dim=-1)
+    cdf = logprobs.exp().cumsum(dim=-1)
+    drawn = torch.searchsorted(cdf, u.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+    tokens = torch.where(greedy, logprobs.argmax(dim=-1), drawn.clamp(max=cdf.shape[1] - 1))
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Pretend the Triton kernel runs on any device (its torch reference standing in for it);
+    the logits of each fused call are recorded."""
+    calls: list[torch.Tensor] = []
+
+    def fused(logits: torch.Tensor, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(logits)
+        return _fused_reference(logits, *args)
+
+    monkeypatch.setattr(sample_kernel, "available", lambda logits: logits.dim() == 2)
+    monkeypatch.setattr(sample_kernel, "fused_sample", fused)
+    return calls
+
+
+def test_the_fused_kernel_draws_what_the_torch_path_draws(
+    monkeypatch: pytest.MonkeyPatch, fused_calls: list[torch.Tensor]
+) -> None:
+    """Unfiltered rows (a top-k as wide as the vocabulary filters nothing) go to the fused
+    kernel with the same uniforms from the engine's generator: the same tokens and logprobs
+    as the torch path. Rows with a real filter stay on the torch path."""
+    rows = 64
+    logits = _logprobs(rows, order=[2, 4, 0, 1, 3]) * torch.linspace(0.5, 2.0, rows)[:, None]
+    params = _params(*[((0.0, 0.7, 1.0, 1.3)[i % 4], (-1, VOCAB)[i % 2], 1.0) for i in range(rows)])
+    fused = sample(logits, params, _gen(3))
+    assert len(fused_calls) == 1 and fused_calls[0] is logits
+    monkeypatch.setattr(sample_kernel, "available", lambda logits: False)
+    plain = sample(logits, params, _gen(3))
+    assert fused[0].tolist() == plain[0].tolist()
+    torch.testing.assert_close(fused[1], plain[1])
+    monkeypatch.setattr(sample_kernel, "available", lambda logits: True)
+    sample(logits, _params(*[(1.0, 2, 1.0)] * rows), _gen(3))
+    sample(logits, _params(*[(1.0, -1, 0.9)] * rows), _gen(3))
+    assert len(fused_calls) == 1
+
+
+def test_an_all_greedy_batch_gives_the_fused_kernel_its_inputs_on_the_logits_device(
+    fused_calls: list[torch.Tensor],
+) -> None:
+    """(meta stands in for the GPU: a kernel given a host tensor fails.)"""
+    device = torch.device("meta")
+    params = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 3, device)
+    tokens, logprobs = sample(torch.zeros(3, VOCAB, device=device), params, _gen(0))
+    assert len(fused_calls) == 1
+    assert tokens.device == logprobs.device == device and tokens.shape == (3,)
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -115,6 +115,82 @@ def _full_logits_reference(model: Any, mb: Any, temperature: float) -> tuple[Any
     return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
+def test_outputs_live_on_the_micro_batch_device() -> None:
+    """(meta stands in for the GPU.)"""
+    samples = [Sample(prompt_ids=s[:1], response_ids=s[1:]) for s in SEQS]
+    mb = make_micro_batch(PackedBatch.from_samples(samples), [0, 1, 2, 3], torch.device("meta"))
+    logprobs, entropy = token_logprobs(TinyLM().to("meta"), mb, 1.0)
+    assert logprobs.device.type == entropy.device.type == "meta"
+    assert logprobs.shape == entropy.shape == (mb.num_tokens,)
+
+
+class HeadLM(torch.nn.Module):
+    """A fake causal LM with an HF-style output layer (`get_output_embeddings`), optionally
+    soft-capping or scaling its logits after the head, as Gemma, Cohere or Granite do. Records
+    the shape of what its head returns."""
+
+    def __init__(self, **config: float | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 6)
+        self.lm_head = torch.nn.Linear(6, VOCAB)
+        self.config = SimpleNamespace(**config)
+        self.head_shapes: list[tuple[int, ...]] = []
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.lm_head
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, use_cache: bool = False
+    ) -> SimpleNamespace:
+        logits = self.lm_head(self.embed(input_ids) * 3)
+        self.head_shapes.append(tuple(logits.shape))
+        if cap := getattr(self.config, "final_logit_softcapping", None):
+            logits = cap * torch.tanh(logits / cap)
+        logits = logits * (getattr(self.config, "logit_scale", None) or 1.0)
+        return SimpleNamespace(logits=logits / (getattr(self.config, "logits_scaling", None) or 1))
+
+
+def _check_against_full_logits(model: HeadLM, temperature: float) -> Any:
+    mb, _ = _micro_batch()
+    logprobs, entropy = token_logprobs(model, mb, temperature)
+    with torch.no_grad():
+        want_lp, want_ent = _full_logits_reference(model, mb, temperature)
+    zeros = torch.zeros(mb.num_tokens)
+    torch.testing.assert_close(logprobs, zeros.index_put((mb.target_pos,), want_lp))
+    torch.testing.assert_close(entropy, zeros.index_put((mb.target_pos,), want_ent))
+    return mb
+
+
+@pytest.mark.parametrize(
+    "config", [{}, {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1}]
+)
+def test_a_plain_linear_head_never_builds_the_full_vocabulary_logits(
+    config: dict[str, float | None],
+) -> None:
+    """A linear head with nothing after it (no config, or soft-capping and scales that are
+    off) yields each predicting token's (logprob, entropy) straight away: right values, and
+    the head is itself again afterwards."""
+    model = HeadLM(**config)
+    mb = _check_against_full_logits(model, 0.8)
+    assert model.head_shapes[0] == (len(mb.target_pos), 2)
+    assert "forward" not in model.lm_head.__dict__
+    assert model.lm_head(torch.zeros(6)).shape == (VOCAB,)
+
+
+@pytest.mark.parametrize(
+    "config", [{"final_logit_softcapping": 4.0}, {"logit_scale": 0.5}, {"logits_scaling": 3.0}]
+)
+def test_logits_changed_after_the_head_take_the_full_logits_path(
+    config: dict[str, float | None],
+) -> None:
+    """Soft-capping or scaling after the head needs the real logits: the values are those of the
+    model's own (capped or scaled) logits."""
+    model = HeadLM(**config)
+    mb = _check_against_full_logits(model, 0.8)
+    assert model.head_shapes[0] == (*mb.input_ids.shape, VOCAB)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_head_equals_the_full_logits_path_with_its_gradients(
