@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 import structlog
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,
@@ -178,19 +178,22 @@ class TrainLauncher:
 
     def _rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port there: picked here when rank 0's bundle is on this
-        node, else by a task in that bundle."""
+        node, else by a task in that bundle. That task waits for a worker process to start on a
+        loaded node as long as it takes; only its node's death ends the wait (then the bundle
+        gets fault.node_wait_s to find another place)."""
         if bundle_nodes(self.group, [self.bundles[0]]) == {node_id()}:
             return _address()
         probe = ray.remote(_address).options(num_cpus=0, scheduling_strategy=self._at(0))
-        try:
-            address: tuple[str, int] = ray.get(probe.remote(), timeout=self.node_wait_s)
-        except GetTimeoutError:  # its node died, and the bundle found no other
-            raise NoPlaceError(
-                f"the train group's bundles found no live node within fault.node_wait_s="
-                f"{self.node_wait_s:g}s: add a node with their resources, or raise "
-                "fault.node_wait_s"
-            ) from None
-        return address
+        ref = probe.remote()
+        while True:
+            ready, _ = ray.wait([ref], timeout=1.0)
+            if ready:
+                address: tuple[str, int] = ray.get(ref)
+                return address
+            if not nodes_alive(bundle_nodes(self.group, [self.bundles[0]])):
+                ray.cancel(ref, force=True)
+                wait_for_places(self.group, self.node_wait_s)  # NoPlaceError past the wait
+                ref = probe.remote()
 
     def _start(self) -> list[Any]:
         master_addr, master_port = self._rendezvous()
