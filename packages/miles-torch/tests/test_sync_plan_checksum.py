@@ -140,3 +140,126 @@ def test_cpu_sums_are_the_torch_definition(monkeypatch: pytest.MonkeyPatch, word
     t = torch.randint(-(2**31), 2**31 - 1, (words,), generator=g, dtype=torch.int32)
     want = torch.cat(checksum._torch_chunk_sums(t))
     assert torch.equal(checksum._cpu_chunk_sums(t), want)
+
+
+def _mix32_ref(x: int) -> int:
+    """lowbias32 in plain Python integers (independent of `mix32`'s int64 emulation)."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = x * 0x7FEB352D & 0xFFFFFFFF
+    x ^= x >> 15
+    x = x * 0x846CA68B & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _content_hash_ref(data: bytes, chunk_words: int) -> tuple[int, int]:
+    """The module docstring's definition, word by word: each little-endian 32-bit word mixed with
+    its salt (its place in its chunk and the chunk's number), then the 1-3 tail bytes with their
+    place."""
+    first = second = 0
+    whole = len(data) // 4
+    for i in range(whole):
+        word = int.from_bytes(data[4 * i : 4 * i + 4], "little")
+        salt = _mix32_ref(i % chunk_words) ^ _mix32_ref(i // chunk_words + 1)
+        first += _mix32_ref(word ^ salt)
+        second += word * ((salt & 0xFFFF) | 1) & 0xFFFFFFFF
+    for place, byte in enumerate(data[4 * whole :], start=1):
+        first += _mix32_ref(byte + 256 * place)
+    return first % 2**64, second % 2**64
+
+
+@pytest.mark.parametrize("chunk_words", [2, 1 << 24])
+def test_content_hash_equals_a_plain_python_reference(
+    monkeypatch: pytest.MonkeyPatch, chunk_words: int
+) -> None:
+    from miles.torch.sync import checksum
+
+    monkeypatch.setattr(checksum, "_CHUNK_WORDS", chunk_words)
+    g = torch.Generator().manual_seed(chunk_words)
+    data = torch.randint(0, 256, (23,), generator=g, dtype=torch.uint8)
+    for n in (0, 1, 3, 4, 5, 8, 22, 23):  # every tail length; one word to several chunks
+        t = data[:n].clone().view(torch.int8)
+        assert content_hash(t) == _content_hash_ref(t.numpy().tobytes(), chunk_words), n
+    assert content_hash(torch.zeros(0)) == (0, 0)
+
+
+def _large(g: torch.Generator) -> list[tuple[str, torch.Tensor]]:
+    """Tensors of at least DEVICE_HASH_BYTES (hashed by content) with every tail length, and a
+    small one (hashed by sha256 on the host)."""
+    shapes = [(DEVICE_HASH_BYTES + extra,) for extra in range(4)]  # every tail length, 0-3 bytes
+    named = [
+        (f"i8_{shape}", torch.randint(-128, 128, shape, generator=g, dtype=torch.int8))
+        for shape in [*shapes, (1025, 1025)]
+    ]
+    named.append(("f32", torch.randn(DEVICE_HASH_BYTES // 4, generator=g).reshape(512, -1)))
+    named.append(("bf16", torch.randn(DEVICE_HASH_BYTES // 2 + 3, generator=g).bfloat16()))
+    named.append(("small", torch.randn(7, generator=g)))
+    return named
+
+
+def test_checksum_of_large_tensors_is_sha256_of_their_sorted_digests() -> None:
+    import hashlib
+
+    named = _large(torch.Generator().manual_seed(0))
+    total = hashlib.sha256()
+    for name, tensor in sorted(named, key=lambda nt: nt[0]):
+        total.update(tensor_digest(name, tensor))
+    assert tensors_checksum(named) == total.hexdigest()
+    assert tensors_checksum(reversed(named)) == total.hexdigest()
+    changed = list(named)
+    changed[3] = (changed[3][0], changed[3][1].clone())
+    changed[3][1][-1] += 1  # the last tail byte of one tensor among many
+    assert tensors_checksum(changed) != total.hexdigest()
+
+
+def test_kernel_path_groups_launches_and_gives_the_definitions_checksum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the Triton kernel stood in for by the CPU definition: aligned whole-word tensors are
+    grouped into launches of at least GROUP_BYTES (then flushed), the others hashed one by one
+    between them, and the checksum is the one the definition gives."""
+    from miles.torch.sync import checksum, checksum_kernel
+
+    g = torch.Generator().manual_seed(1)
+    mib = DEVICE_HASH_BYTES // 4  # float32 elements in 1 MiB
+    named = [
+        ("a", torch.randn(mib, generator=g)),
+        ("b", torch.randn(mib, generator=g)),
+        ("c", torch.randn(mib, generator=g)),
+        ("odd", torch.randint(-128, 128, (DEVICE_HASH_BYTES + 3,), generator=g).to(torch.int8)),
+        ("d", torch.randn(2 * mib, generator=g)),
+        ("small", torch.randn(5, generator=g)),
+        ("e", torch.randn(mib, generator=g)),
+    ]
+    want = tensors_checksum(named)
+
+    def chunk_sums(words: torch.Tensor, chunk_words: int) -> torch.Tensor:
+        assert chunk_words == checksum._CHUNK_WORDS
+        return checksum._cpu_chunk_sums(words)
+
+    launches: list[list[int]] = []
+
+    def grouped_lanes(words: list[torch.Tensor], chunk_words: int) -> torch.Tensor:
+        launches.append([w.numel() for w in words])
+        return torch.cat([chunk_sums(w, chunk_words).sum(dim=0, keepdim=True) for w in words])
+
+    monkeypatch.setattr(checksum_kernel, "available", lambda words: words.device.type == "cpu")
+    monkeypatch.setattr(checksum_kernel, "chunk_sums", chunk_sums)
+    monkeypatch.setattr(checksum_kernel, "grouped_lanes", grouped_lanes)
+    monkeypatch.setattr(checksum, "GROUP_BYTES", 2 * DEVICE_HASH_BYTES)
+    assert tensors_checksum(named) == want
+    # a+b reach GROUP_BYTES; c waits until `odd` (per tensor) flushes it; d alone reaches it.
+    assert launches == [[mib, mib], [mib], [2 * mib], [mib]]
+
+
+def test_a_large_view_at_an_odd_place_in_a_bucket_hashes_like_its_own_tensor() -> None:
+    """A bf16 bucket holding an odd-sized tensor, then one of 1 MiB or more: the second view
+    starts 2 bytes into a word. Its checksum is that of the same values as a tensor of its own
+    (it used to raise: int32 words cannot view bytes at such an offset)."""
+    odd = torch.arange(3, dtype=torch.bfloat16)
+    big = torch.randn(2**19 + 1, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    flat = torch.cat([odd, big])
+    views = [("odd", flat[:3]), ("big", flat[3:])]
+    assert views[1][1].storage_offset() * 2 % 4 == 2
+    assert tensors_checksum(views) == tensors_checksum([("odd", odd), ("big", big)])
+    assert tensor_digest("big", views[1][1]) == tensor_digest("big", big)

@@ -48,6 +48,8 @@ def _chunk_sums(tensor: torch.Tensor) -> torch.Tensor:
     """[rows, 2] int64 on the tensor's device whose column sums are the two lanes: one row per
     chunk of words, and one for the last 1-3 bytes of a tensor that is not whole words."""
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if raw.storage_offset() % 4:  # a view at an odd place in a bucket: words need a copy
+        raw = raw.clone()
     whole = raw.numel() // 4 * 4
     words = raw[:whole].view(torch.int32)
     if checksum_kernel.available(words):
