@@ -285,10 +285,7 @@ def _set_limits(cfg: dict[str, Any]) -> None:
     def cap(which: int, value: int) -> None:
         resource.setrlimit(which, (value, value))
 
-    # SIGXCPU at the limit, SIGKILL a second later if the program ignores it. The kernel counts
-    # CPU time by ticks, which under contention can run ahead of the exact time wait4 reports: a
-    # SIGKILL at the limit itself could not be told from any other SIGKILL by that time.
-    resource.setrlimit(resource.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1))
+    cap(resource.RLIMIT_CPU, cfg["cpu_s"])
     cap(resource.RLIMIT_AS, cfg["memory_bytes"])
     cap(resource.RLIMIT_FSIZE, cfg["file_size_bytes"])
     cap(resource.RLIMIT_NOFILE, cfg["max_open_files"])
