@@ -252,7 +252,9 @@ def test_continue_returns_at_once_and_resumes_held_requests_before_queued_ones(s
     for future in futures:
         future.result(timeout=300)
     assert returned < min(finished.values()), "continue_generation waited for an engine call"
-    assert finished["held"] < finished["queued"]  # the request that was running goes first
+    # The request that was running goes first: `queued` ends a whole generation (about 2 s) after
+    # it, or with it when the batcher takes both into one engine call after the continue.
+    assert finished["held"] < finished["queued"] + 0.5, finished
     assert flushed(server)
 
 
