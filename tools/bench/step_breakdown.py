@@ -4,8 +4,8 @@
     python tools/bench/step_breakdown.py --run-dir DIR    # analyses an existing run
 
 Everything comes from the run's own traces.jsonl. Per step (the `miles.step` span, plus the spans
-outside it that carry its step number, such as the rollout manager's `miles.rollout`; every part is
-clipped to the step span):
+outside any step that carry a step number, such as the rollout manager's `miles.rollout`, counted
+in the step whose window they ran in; every part is clipped to the step span):
 
 * rollout:  engine time inside `miles.generate` (model compute, sampling, KV cache)
 * reward:   `miles.reward` spans (union over concurrent groups)
@@ -71,21 +71,22 @@ def breakdown(run_dir: Path) -> list[dict[str, float]]:
         if s["name"] != "miles.step" and isinstance(number, int) and not under_a_step(s):
             tagged.setdefault(number, []).append(s)
 
+    # Work outside the steps counts by time, in the step whose window it ran in: the next batch
+    # is made in this step's tail (from its weight sync on), so its time is this step's.
+    outside = [x for roots in tagged.values() for root in roots for x in (root, *descendants(root))]
     rows = []
     for step in sorted(
         (s for s in spans if s["name"] == "miles.step"), key=lambda s: s["attributes"]["step"]
     ):
         number = step["attributes"]["step"]
-        inner = descendants(step)
-        for root in tagged.get(number, []):
-            inner += [root, *descendants(root)]
+        inner = descendants(step) + outside
         lo, hi = step["start_ns"], step["end_ns"]
 
         def intervals(
             *names: str, inner: list[dict[str, Any]] = inner, lo: int = lo, hi: int = hi
         ) -> list[tuple[int, int]]:
-            # Clipped to the step: a rollout started while the previous step synced its weights
-            # counts once, in that step's time.
+            # Clipped to the step: a rollout that spans two steps' windows counts once, split
+            # between them.
             clipped = [
                 (max(s["start_ns"], lo), min(s["end_ns"], hi)) for s in inner if s["name"] in names
             ]
