@@ -104,8 +104,8 @@ class EngineHost:
         deliver: Deliver,
         on_tokens: OnTokens | None = None,
     ) -> None:
-        if self.paused:
-            raise NotServing("generation is paused: POST /continue_generation first")
+        # While paused a new request waits in the queue for continue_generation, as SGLang's
+        # tokenizer manager holds it: a rollout client never sees the pause of a weight update.
         try:
             self._queue.put_nowait(_Job(rid, list(prompt_ids), sampling, deliver, on_tokens))
         except queue.Full:

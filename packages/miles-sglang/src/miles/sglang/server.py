@@ -494,8 +494,6 @@ def _check_tags(tags: Any) -> None:
 def _check_serving(state: _State) -> None:
     if state.released:
         raise NotServing("memory is released: POST /resume_memory_occupation first")
-    if state.host.paused:
-        raise NotServing("generation is paused: POST /continue_generation first")
 
 
 def _prompt_ids(state: _State, item: GenerateItem) -> list[int]:
