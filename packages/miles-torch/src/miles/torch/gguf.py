@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 import structlog
-import torch
 
 from miles.core.cache import cache_dir
 
@@ -78,6 +77,8 @@ def _convert(source: Path, digest: str, out: Path) -> None:
             f"{source.name} is a GGUF checkpoint: reading it needs the `gguf` package "
             "(pip install gguf)"
         ) from None
+    # torch and transformers only here: the driver asks `is_gguf` of every run's model.
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where, name = str(source.parent), source.name
