@@ -62,15 +62,16 @@ def serve(
     """Serve TARGET (a Hugging Face checkpoint directory, a recipe or a CONFIG.yaml) with
     Miles' torch engine behind SGLang's HTTP API (/generate, weight updates, pause/continue,
     health). Binds to 127.0.0.1 unless --host says otherwise."""
+    if max_batch_size < 1 or max_queue < 1:
+        raise click.BadParameter("--max-batch-size and --max-queue must be at least 1")
+    model_path = _model_path(target, list(overrides))
+    # Arguments and config are checked first: a mistake is named without a torch import.
     import torch
     import uvicorn
 
     from miles.sglang.server import ServeSettings, build_app
     from miles.torch.engine.engine import TorchRolloutEngine
 
-    if max_batch_size < 1 or max_queue < 1:
-        raise click.BadParameter("--max-batch-size and --max-queue must be at least 1")
-    model_path = _model_path(target, list(overrides))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     click.echo(f"miles serve: loading {model_path} on {device} ({dtype})", err=True)
