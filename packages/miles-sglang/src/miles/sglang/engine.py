@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -74,8 +75,9 @@ class SGLangClient:
                 text = response.read().decode()
         except urllib.error.HTTPError as err:
             raise ServerError(f"{self.url}{path}: HTTP {err.code}: {_message(err)}") from None
-        except OSError as err:
-            raise ServerUnavailable(f"{self.url}{path}: {err}") from None
+        except (OSError, http.client.HTTPException) as err:
+            # HTTPException: the server died mid-answer (IncompleteRead, BadStatusLine).
+            raise ServerUnavailable(f"{self.url}{path}: {err!r}") from None
         try:
             return json.loads(text)
         except json.JSONDecodeError:

@@ -83,6 +83,9 @@ class EngineHost:
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count()
         self._lock = threading.Condition()
+        # Held by the batcher while it takes jobs from the queue and starts or holds them: a
+        # pause waits for it, so a job taken before the pause is never started after it.
+        self._taking = threading.Lock()
         self._running: dict[int, _Job] = {}  # engine request id -> job, in an engine call
         self._workers = 0  # engine calls in progress
         self._held: list[_Job] = []  # retracted, waiting for continue
@@ -127,36 +130,39 @@ class EngineHost:
                     self._lock.wait(timeout=0.1)
             if not self._slots.acquire(timeout=0.1):
                 continue
-            with self._lock:
-                jobs = self._held[: self.max_batch_size]
-                del self._held[: len(jobs)]
-            if not jobs:
-                try:
-                    jobs.append(self._queue.get(timeout=0.1))
-                except queue.Empty:
-                    self._slots.release()
-                    continue
-                time.sleep(0.002)  # let a burst of concurrent requests arrive together
-            while len(jobs) < self.max_batch_size:
-                try:
-                    jobs.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            self._start(jobs)
+            with self._taking:
+                self._take_and_start()
+
+    def _take_and_start(self) -> None:
+        with self._lock:
+            if self.paused:  # checked again under _taking: nothing is taken after a pause
+                self._slots.release()
+                return
+            jobs = self._held[: self.max_batch_size]
+            del self._held[: len(jobs)]
+        if not jobs:
+            try:
+                jobs.append(self._queue.get(timeout=0.1))
+            except queue.Empty:
+                self._slots.release()
+                return
+            time.sleep(0.002)  # let a burst of concurrent requests arrive together
+        while len(jobs) < self.max_batch_size:
+            try:
+                jobs.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        self._start(jobs)
 
     def _start(self, jobs: list[_Job]) -> None:
-        """One engine call on a worker thread, holding a slot until it ends. Paused meanwhile:
-        the jobs are kept for continue (retract / in_place) or answered with abort."""
-        aborted: list[_Job] = []
+        """One engine call on a worker thread, holding a slot until it ends. Paused meanwhile
+        (in any mode): the jobs are kept for continue, as a request sent during a pause is;
+        abort answers only what ran or was queued when the pause came (see `pause`)."""
         with self._lock:
-            if self.paused and self._keep_stopped:
+            if self.paused:
                 self._held[:0], jobs = jobs, []  # nothing generated yet: first on continue
-            elif self.paused:
-                aborted, jobs = jobs, []
         if not jobs:
             self._slots.release()
-            for job in aborted:
-                job.deliver(self._answer(job, None, "abort"))
             return
         with self._lock:
             requests = []
@@ -248,6 +254,8 @@ class EngineHost:
         with self._lock:
             self._keep_stopped = keep
             self.paused = True
+        with self._taking:  # a batch being taken now is started or held before we go on
+            pass
         self.engine.pause()
         with self._lock:
             while self._workers:
@@ -257,8 +265,10 @@ class EngineHost:
         """SGLang's pause_generation: `abort` answers running and queued requests with abort;
         `retract` and `in_place` keep them for continue."""
         self._stop_running(keep=mode != "abort")
-        if mode == "abort":
-            for job in self._drain():
+        if mode == "abort":  # everything taken in before the pause: running, held or queued
+            with self._lock:
+                held, self._held = self._held, []
+            for job in [*held, *self._drain()]:
                 job.deliver(self._answer(job, None, "abort"))
 
     def _drain(self) -> list[_Job]:
