@@ -312,6 +312,9 @@ def _start_shared_ray() -> None:
             str(ray), "start", "--head", "--block", f"--port={port}",
             f"--num-cpus={SHARED_RAY_CPUS}", "--num-gpus=0", "--include-dashboard=false",
             "--disable-usage-stats", "--node-ip-address=127.0.0.1",
+            # `miles run` reads no actor output through Ray (log_to_driver is off): the monitor
+            # that tails every worker's log for drivers would cost CPU for no reader.
+            "--include-log-monitor=false",
         ],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True,  # stopped with its whole process group, never `ray stop`
