@@ -25,13 +25,16 @@ pytestmark = pytest.mark.timeout(1800)
 
 # How far the learning outcome (held-out reward over 256 prompts) may lie from the unharmed
 # run's, and the least the unharmed run must reach for the comparison to mean anything (an
-# untrained policy scores about 0.12).
+# untrained policy scores about 0.12). Both modes compare with the unharmed sync run, the
+# quickstart itself.
 # - sync: a run is reproducible step for step, so only the faults move it; restarted engines
 #   draw other samples than the lost ones would have: 0.05.
-# - async: which samples are one version stale depends on timing, so two unharmed runs of one
-#   seed already differ: 0.96 and 0.81 on the loaded CI machine (0.96 and 0.97 on an idle one).
+# - async: which samples are one version stale depends on timing, so two unharmed async runs of
+#   one seed already differ from each other and from sync: 0.96 and 0.81 on the loaded CI
+#   machine (0.96 and 0.97 on an idle one; sync 0.96). An unharmed async run of its own would
+#   be a reference no closer than that, at the price of a whole run.
 MARGIN = {"sync": 0.05, "async": 0.2}
-BASELINE = {"sync": 0.8, "async": 0.7}
+BASELINE = 0.8
 # Each run: two engine and three trainer deaths, one in each phase (plus one more in training).
 PHASES = ["rollout", "train", "sync", "checkpoint", "reward", "train"]
 SETTINGS = [
@@ -96,10 +99,10 @@ def runs(
 ) -> dict[tuple[str, bool], Path]:
     """(mode, harmed) -> run dir: the runs two at a time (four at once took longer on the 2-core
     CI machine: 300 s against 223-290 s). Each harmed run has its own Ray, and each monkey kills
-    only its own run's processes. The unharmed sync run is the quickstart test_quickstart.py
-    reads (the chaos settings change no number: checkpoints and restart budgets)."""
+    only its own run's processes. The unharmed run is the quickstart test_quickstart.py reads
+    (the chaos settings change no number: checkpoints and restart budgets)."""
     root = tmp_path_factory.mktemp("chaos")
-    keys = [(mode, harmed) for mode in MODES for harmed in (True, False)]
+    keys = [*((mode, True) for mode in MODES), ("sync", False)]
     with ThreadPoolExecutor(max_workers=2) as pool:
         jobs = {
             k: pool.submit(shared_runs, "quickstart", *QUICKSTART)
@@ -131,6 +134,6 @@ def test_runs_survive_kills_in_every_phase_and_learn_as_unharmed(
     assert final["fault/engine_restarts"] >= engines
     assert "faults survived:" in run_dir.with_suffix(".stderr").read_text()
     _assert_every_sample_once(run_dir)
-    unharmed, harmed = _final_eval(runs[mode, False]), _final_eval(run_dir)
-    assert unharmed >= BASELINE[mode], unharmed  # else the comparison says nothing
+    unharmed, harmed = _final_eval(runs["sync", False]), _final_eval(run_dir)
+    assert unharmed >= BASELINE, unharmed  # else the comparison says nothing
     assert abs(harmed - unharmed) <= MARGIN[mode], (harmed, unharmed)
