@@ -82,6 +82,29 @@ def test_one_step_off_trains_one_version_behind(whole_one_step_off: Path) -> Non
     _assert_every_sample_once(whole_one_step_off, WHOLE_STEPS)
 
 
+def test_two_train_ranks_match_one(
+    tmp_path: Path, tiny_assets: dict[str, str], whole_sync: Path
+) -> None:
+    """FSDP2 over 2 gloo ranks inside Ray: same data, same seed, same metrics as 1 rank (the
+    whole_sync run's first steps: its checkpoints change nothing it computes)."""
+    two = read_jsonl(
+        _run(
+            tmp_path,
+            tiny_assets,
+            "two-ranks",
+            train={"world_size": 2},
+            checkpoint={"at_end": False},
+        )
+        / "metrics.jsonl"
+    )
+    one = read_jsonl(whole_sync / "metrics.jsonl")[: len(two)]
+    assert [r["step"] for r in two] == [0, 1]
+    for a, b in zip(one, two, strict=True):
+        assert b["rollout/reward_mean"] == a["rollout/reward_mean"]
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
 @pytest.mark.parametrize("on_update", ["continue", "requeue"])
 def test_async_updates_weights_mid_generation(
     tmp_path: Path, tiny_assets: dict[str, str], on_update: str
