@@ -1,7 +1,8 @@
 """`miles run quickstart`, the README's first command: RL must visibly learn.
 
-The control run stops after the SFT warm-start (steps=0): its held-out reward shows what the
-policy can do without RL, and the same assertions must fail for it.
+The control is the policy after the SFT warm-start, before any RL step: the run evaluates it
+first (`eval.at_start`, which changes no number of the run after it). Its held-out reward shows
+what the policy can do without RL, and the same assertions must fail for it.
 """
 
 from __future__ import annotations
@@ -12,17 +13,10 @@ from typing import Any
 
 import pytest
 
-from .conftest import read_jsonl, run_miles
+from .conftest import read_jsonl
 
 # End-to-end runs: each test's own time limit (the suite's default is for unit tests).
 pytestmark = pytest.mark.timeout(600)
-
-
-def _run(run_dir: Path, *overrides: str) -> list[dict[str, Any]]:
-    args = [a for o in ("telemetry.progress=false", *overrides) for a in ("--set", o)]
-    proc = run_miles("run", "quickstart", "--run-dir", str(run_dir), *args)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def learned(rows: list[dict[str, Any]]) -> bool:
@@ -37,9 +31,22 @@ def learned(rows: list[dict[str, Any]]) -> bool:
     return start <= 0.4 and final_eval >= 0.8 and end - start >= 0.3
 
 
+# The quickstart as the README runs it, plus an evaluation before the first step (the control).
+# test_chaos.py reads the same run as its unharmed one.
+QUICKSTART = ("quickstart", "--set", "telemetry.progress=false", "--set", "eval.at_start=true")
+
+
 @pytest.fixture(scope="module")
-def control(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _run(tmp_path_factory.mktemp("qs") / "control", "steps=0")
+def quickstart(shared_runs: Callable[..., Path]) -> list[dict[str, Any]]:
+    return read_jsonl(shared_runs("quickstart", *QUICKSTART) / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def control(quickstart: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of a run that stopped after the warm-start: the evaluation before step 0."""
+    first = quickstart[0]
+    assert first["step"] == 0 and "eval/reward_mean" in first and "rollout/reward_mean" not in first
+    return [first]
 
 
 def test_untrained_policy_does_not_pass(control: list[dict[str, Any]]) -> None:
@@ -47,12 +54,8 @@ def test_untrained_policy_does_not_pass(control: list[dict[str, Any]]) -> None:
     assert not learned(control)
 
 
-# The quickstart as the README runs it. test_chaos.py reads the same run as its unharmed one.
-QUICKSTART = ("quickstart", "--set", "telemetry.progress=false")
-
-
-def test_quickstart_learns(shared_runs: Callable[..., Path], control: list[dict[str, Any]]) -> None:
-    rows = read_jsonl(shared_runs("quickstart", *QUICKSTART) / "metrics.jsonl")
+def test_quickstart_learns(quickstart: list[dict[str, Any]], control: list[dict[str, Any]]) -> None:
+    rows = quickstart
     steps = [r for r in rows if "rollout/reward_mean" in r]
     assert steps[0]["rollout/reward_mean"] <= 0.4
     assert rows[-1]["eval/reward_mean"] >= 0.8
