@@ -51,7 +51,15 @@ class LocalCluster:
     def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         with (self.logs / f"{name}.log").open("wb") as log:
             node = subprocess.Popen(
-                [*self.ray, "start", "--block", "--disable-usage-stats", *args],
+                # No log monitor: `miles run` reads no actor output through Ray.
+                [
+                    *self.ray,
+                    "start",
+                    "--block",
+                    "--disable-usage-stats",
+                    "--include-log-monitor=false",
+                    *args,
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
@@ -321,7 +329,7 @@ def test_the_train_ranks_node_lost_mid_run_restarts_the_train_group_on_a_new_nod
     workers = {"w0": cluster.add_worker(2, "r1", "w0"), "w1": cluster.add_worker(2, "r1", "w1")}
     cluster.wait_for_cpus(4)
     run = tmp_path / "run"
-    steps = 24  # seconds of steps: the run is still going when its first row is seen
+    steps = 10  # the run is still going when its first row is seen (it is stopped then)
     proc = _miles_run(
         cluster, run, f"steps={steps}", "warmstart.steps=5", "eval.data=null",
         "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "fault.backoff_s=0.5",
