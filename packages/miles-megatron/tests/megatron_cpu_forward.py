@@ -3,13 +3,17 @@ GPUs (NCCL, `MILES_MEGATRON_DEVICE=cuda`) and compares its logits with transform
 the same weights.
 
     python megatron_cpu_forward.py FAMILY[@HUB_ID] TP EP PP [key=value config overrides...]
+        [+ FAMILY TP EP PP [...] ...]
+
+Cases joined by `+` (each with the same TP x EP x PP) run one after another in the same ranks:
+one process start-up (torch, megatron-core, transformers) for all of them.
 
 FAMILY alone is its tiny twin; FAMILY@HUB_ID is that checkpoint's stored config.json with random
 weights (e.g. qwen3@Qwen/Qwen3-0.6B). `MILES_MEGATRON_DTYPE` (default float32) sets both models'
 dtype.
 
-prints one JSON line per rank: names/shapes agreement and, without pipeline stages (PP 1), the
-max abs logit difference.
+prints one JSON line per rank, `{"cases": [...]}`: per case, names/shapes agreement and, without
+pipeline stages (PP 1), the max abs logit difference.
 Logits are compared unpacked (two rows) and packed (three sequences in one THD row, through
 miles.megatron's core attention) with transformers' forward of each sequence.
 megatron-core is written for CUDA; `miles.megatron.testing.run_megatron_on_cpu` patches it so
@@ -52,9 +56,10 @@ def _config(family: str, overrides: list[str]) -> dict:
     return config
 
 
-def _run(
-    rank: int, world: int, family: str, tp: int, ep: int, pp: int, overrides: list[str], port: int
-) -> None:
+Case = tuple[str, int, int, int, list[str]]  # family, tp, ep, pp, config overrides
+
+
+def _run(rank: int, world: int, cases: list[Case], port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = os.environ.get("MILES_MEGATRON_DEVICE") == "cuda"
     dtype = getattr(torch, os.environ.get("MILES_MEGATRON_DTYPE", "float32"))
@@ -64,17 +69,36 @@ def _run(
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-    )
-    if cuda:  # the dropout RNG streams Megatron's layers fork at construction
-        from megatron.core import tensor_parallel
+    results = []
+    for index, (family, tp, ep, pp, overrides) in enumerate(cases):
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+        )
+        if cuda:  # the dropout RNG streams Megatron's layers fork at construction
+            from megatron.core import tensor_parallel
 
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-    else:
-        run_megatron_on_cpu()
+            tensor_parallel.model_parallel_cuda_manual_seed(0)
+        elif index == 0:
+            run_megatron_on_cpu()
+        results.append(_case(family, tp, ep, pp, overrides, device, dtype, cuda))
+        parallel_state.destroy_model_parallel()
+    report(rank, {"cases": results})
+    dist.destroy_process_group()
+
+
+def _case(
+    family: str,
+    tp: int,
+    ep: int,
+    pp: int,
+    overrides: list[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    cuda: bool,
+) -> dict[str, Any]:
+    from megatron.core import parallel_state
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from miles.core.families import family_named
@@ -112,9 +136,7 @@ def _run(
     }
     model.load_state_dict(ours, strict=False)
     if pp > 1:  # a forward needs Megatron's pipeline schedule; names and shapes are the check
-        report(rank, result)
-        dist.destroy_process_group()
-        return
+        return result
     vocab = int(config["vocab_size"])
     ids = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1)).to(device)
     group = parallel_state.get_tensor_model_parallel_group()
@@ -143,8 +165,7 @@ def _run(
         want = torch.cat([hf(x[None]).logits[0] for x in seqs])
         result["packed_max_abs_diff"] = (got.float() - want.float()).abs().max().item()
     result.update(_grads(hf, model, mapping, layout, here, ids, vocab, device))
-    report(rank, result)
-    dist.destroy_process_group()
+    return result
 
 
 def _grads(
@@ -224,11 +245,23 @@ def _gather_vocab(logits: torch.Tensor, tp: int, group: Any) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _cases(argv: list[str]) -> list[Case]:
+    cases, words = [], [*argv, "+"]
+    while words:
+        end = words.index("+")
+        family, tp, ep, pp, *overrides = words[:end]
+        cases.append((family, int(tp), int(ep), int(pp), overrides))
+        words = words[end + 1 :]
+    return cases
+
+
 def main() -> None:
-    family, tp, ep, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    world = tp * ep * pp
+    cases = _cases(sys.argv[1:])
+    worlds = {tp * ep * pp for _, tp, ep, pp, _ in cases}
+    assert len(worlds) == 1, f"cases joined by + need one world size, got {sorted(worlds)}"
+    world = worlds.pop()
     port = int(os.environ.get("MILES_TEST_PORT", "29561"))
-    spawn_and_print(_run, args=(world, family, tp, ep, pp, sys.argv[5:], port), nprocs=world)
+    spawn_and_print(_run, args=(world, cases, port), nprocs=world)
 
 
 if __name__ == "__main__":

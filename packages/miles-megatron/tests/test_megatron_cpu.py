@@ -19,13 +19,21 @@ pytest.importorskip("megatron.core")
 SCRIPT = Path(__file__).with_name("megatron_cpu_forward.py")
 
 
-def _run(*args: str) -> list[dict]:
+def _run(*cases: tuple[str, ...]) -> list[list[dict]]:
+    """Each case's results, one per rank. The cases (of one world size) run one after another in
+    the same ranks: one start-up of torch, megatron-core and transformers per rank for all."""
+    args = [word for i, case in enumerate(cases) for word in (*(["+"] if i else []), *case)]
     env = {**os.environ, "MILES_TEST_PORT": str(29600 + os.getpid() % 300)}
     out = subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    ranks = [json.loads(line)["cases"] for line in out.stdout.splitlines() if line.startswith("{")]
+    return [[rank[i] for rank in ranks] for i in range(len(cases))]
+
+
+def _world(case: tuple[str, ...]) -> int:
+    return int(case[1]) * int(case[2]) * int(case[3])
 
 
 # (ranks and config, whether gradients are compared too). Gradients are compared where the
@@ -41,9 +49,27 @@ CASES = [
 ]
 
 
+# Pipeline stages: names and shapes only (a forward needs Megatron's schedule). Untied:
+# Megatron's tied output layer on the last stage is set up on CUDA only.
+PIPELINE = ("qwen3_moe", "1", "1", "2", "tie_word_embeddings=false")
+
+
+@pytest.fixture(scope="module")
+def cpu_results() -> dict[tuple[str, ...], list[dict]]:
+    """Every CPU case's per-rank results, the cases of each world size in one launch."""
+    cases = [args for args, _ in CASES] + [PIPELINE]
+    results: dict[tuple[str, ...], list[dict]] = {}
+    for world in sorted({_world(c) for c in cases}):
+        group = [c for c in cases if _world(c) == world]
+        results.update(zip(group, _run(*group), strict=True))
+    return results
+
+
 @pytest.mark.parametrize(("args", "grads"), CASES, ids=["-".join(a) for a, _ in CASES])
-def test_megatron_logits_equal_transformers(args: tuple[str, ...], grads: bool) -> None:
-    results = _run(*args)
+def test_megatron_logits_equal_transformers(
+    args: tuple[str, ...], grads: bool, cpu_results: dict[tuple[str, ...], list[dict]]
+) -> None:
+    results = cpu_results[args]
     assert len(results) == int(args[1]) * int(args[2])
     for r in results:
         assert r["names_equal"], r["name_diff"]
@@ -57,9 +83,10 @@ def test_megatron_logits_equal_transformers(args: tuple[str, ...], grads: bool) 
             assert r["grad_max_abs_diff"] < 1e-4 * max(1.0, r["grad_scale"]), r
 
 
-def test_pipeline_stages_hold_the_parameters_megatron_builds() -> None:
-    # Untied: Megatron's tied output layer on the last stage is set up on CUDA only.
-    results = _run("qwen3_moe", "1", "1", "2", "tie_word_embeddings=false")
+def test_pipeline_stages_hold_the_parameters_megatron_builds(
+    cpu_results: dict[tuple[str, ...], list[dict]],
+) -> None:
+    results = cpu_results[PIPELINE]
     assert len(results) == 2
     for r in results:
         assert r["names_equal"] and r["shapes_equal"], r
@@ -80,7 +107,7 @@ def test_megatron_logits_equal_transformers_in_bf16_on_a_gpu(
     # On CUDA in bf16 the packed path is torch's variable-length FlashAttention.
     monkeypatch.setenv("MILES_MEGATRON_DEVICE", "cuda")
     monkeypatch.setenv("MILES_MEGATRON_DTYPE", "bfloat16")
-    (r,) = _run(*args)
+    ((r,),) = _run(args)
     print(r)
     assert r["names_equal"] and r["shapes_equal"], r
     # bf16 against bf16 through different kernels: a few bf16 ulps of the logits' scale.
