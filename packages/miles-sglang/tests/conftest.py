@@ -50,12 +50,13 @@ class Server:
 
 
 def start_server(
-    model: str, tmp: Path, *args: str, port: int | None = None, slow: bool = False
+    model: str, tmp: Path, *args: str, port: int | None = None, slow: float = 0.0
 ) -> Server:
-    """`miles serve MODEL ARGS` on `port`; `slow`: its engine steps take 50 ms at least."""
+    """`miles serve MODEL ARGS` on `port`; `slow`: its engine steps take at least this many
+    seconds (slow_serve.py)."""
     port = port or free_port()
     log = tmp / f"serve-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MILES_TEST_STEP_DELAY_S": str(slow)}
     cli = [str(Path(__file__).parent / "slow_serve.py")] if slow else ["-m", "miles.core.cli"]
     process = subprocess.Popen(
         [sys.executable, *cli, "serve", model, "--port", str(port), *args],

@@ -215,8 +215,10 @@ def test_async_partial_rollouts_through_the_server(quickstart_model, tmp_path, s
     start_server, stop_server = serve_process
     # The paged path batches continuously (requests join running ones), as SGLang does: a pause
     # finds the batch mid-generation rather than queued behind a running one.
-    # Its steps take 50 ms at least, so a batch outlasts a train step even on a loaded machine.
-    server = start_server(quickstart_model, tmp_path, "--engine-path", "paged", slow=True)
+    # Its steps take 150 ms at least, so a batch outlasts a train step and a weight sync even
+    # though the random model ends many answers early (its vocabulary is tiny, EOS is likely):
+    # at 50 ms a batch could end before the update, and no sample spanned one (CI, twice).
+    server = start_server(quickstart_model, tmp_path, "--engine-path", "paged", slow=0.15)
     run = tmp_path / "run"
     steps, prompts, samples = 4, 8, 4
     try:
