@@ -33,7 +33,7 @@ from miles.core.runtime.process import free_port
 from miles.core.types import GenerateRequest, PackedBatch, Sample, SamplingParams
 from miles.recipes import quickstart_task
 from miles.torch.engine.engine import TorchRolloutEngine
-from miles.torch.testing import make_trainer
+from miles.torch.testing import make_trainer, sync_in_place
 
 from .conftest import read_jsonl, run_miles
 
@@ -146,13 +146,6 @@ def _rollout(engine: TorchRolloutEngine, seed: int) -> PackedBatch:
     return PackedBatch.from_samples(samples, advantages=ADVANTAGES)
 
 
-def _sync(trainer: Any, engine: TorchRolloutEngine) -> None:
-    """Colocated-style weight sync on CPU, then the next weight version."""
-    plan = trainer.weight_sync_plan(1 << 20)
-    trainer.send_weights_in_place(plan, lambda i, h: engine.load_bucket(plan, i, h))
-    engine.set_weight_version(engine.weight_version + 1)
-
-
 def _weights(trainer: Any) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in trainer.named_weights()}
 
@@ -188,7 +181,7 @@ def test_twin_engine_and_trainer_agree_in_process(family: str, tmp_path: Path) -
             assert metrics["train/grad_norm"] > 0, metrics
             after = _weights(trainer)
             assert any(not torch.equal(before[n], after[n]) for n in before)
-            _sync(trainer, engine)
+            sync_in_place(trainer, engine)
             assert engine.weight_version == 1
             assert engine.weights_checksum() == trainer.weights_checksum("float32")
     finally:

@@ -23,7 +23,7 @@ from miles.precision.quantized import (
     mxfp8_precision,
 )
 from miles.torch.engine.engine import TorchRolloutEngine
-from miles.torch.testing import make_tiny_model
+from miles.torch.testing import make_tiny_model, sync_in_place
 
 from .test_fsdp import SHAPES, VOCAB, make_batch, sft
 
@@ -55,9 +55,7 @@ def _plain_logprobs(path: str, tokens: np.ndarray, offsets: np.ndarray) -> np.nd
 
 def _sync(trainer: Any, engine: TorchRolloutEngine) -> dict[str, torch.Tensor]:
     """Colocated-style sync on CPU; returns what went over the wire (quantized codes, scales)."""
-    plan = trainer.weight_sync_plan(1 << 20)
-    trainer.send_weights_in_place(plan, lambda i, h: engine.load_bucket(plan, i, h))
-    engine.set_weight_version(engine.weight_version + 1)
+    sync_in_place(trainer, engine)
     return {n: t.clone() for n, t in trainer.weights.rollout_weights()}
 
 

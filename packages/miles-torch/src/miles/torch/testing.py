@@ -177,3 +177,11 @@ def make_trainer(
         **{k: options.pop(k) for k in list(options) if k in setup_fields},
     )
     return FSDPTrainer(FSDPConfig(**options), setup)
+
+
+def sync_in_place(trainer: Any, engine: Any, bucket_bytes: int = 1 << 20) -> None:
+    """Colocated-style weight sync on CPU (the engine loads each bucket the trainer fills), then
+    the engine's next weight version: what a run's sync does, without Ray."""
+    plan = trainer.weight_sync_plan(bucket_bytes)
+    trainer.send_weights_in_place(plan, lambda i, h: engine.load_bucket(plan, i, h))
+    engine.set_weight_version(engine.weight_version + 1)
