@@ -33,6 +33,12 @@ trap 'rm -f "$torch_pin"' EXIT
 .venv/bin/python -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$torch_pin"
 editables=()
 for p in packages/*/; do editables+=(-e "$p"); done
-.venv/bin/uv pip install --python .venv/bin/python -q --constraint "$torch_pin" \
+# --compile-bytecode: every process (each test, each Ray actor) would otherwise compile
+# transformers, Ray and the rest from source at every import, and never cache it where
+# PYTHONDONTWRITEBYTECODE is set (as on this CPU machine): about a quarter of a short run's CPU.
+.venv/bin/uv pip install --python .venv/bin/python -q --constraint "$torch_pin" --compile-bytecode \
   hatchling editables "${editables[@]}" -r tools/requirements-dev.txt
+# The workspace's own sources (editable installs, outside site-packages) likewise. A later edit
+# only makes its module's cache stale, and Python then compiles that module from source again.
+.venv/bin/python -m compileall -q packages/*/src >/dev/null
 echo "$want" >"$stamp"
