@@ -33,6 +33,11 @@ echo "== mypy (every package), in the background"
 mypy_log=$(mktemp)
 mypy "${mypy_packages[@]}" >"$mypy_log" 2>&1 &
 mypy_pid=$!
+# One torch thread per process (runs' actors, servers and the test workers alike): the two test
+# workers share the two cores, and a pool of two threads spins at every barrier while the other
+# worker holds a core (beside two busy processes, the async partial test's training steps took
+# 8 to 26 s with the default threads, 0.3 s with one).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Two workers (MILES_TEST_WORKERS=0: one process); a file's tests stay on one worker, so its
 # module fixtures (shared runs) are made once. Files start in collection order, the longest
 # first (conftest.py's LONGEST_FIRST).

@@ -113,3 +113,15 @@ def test_probe_bundles_on_a_local_cluster() -> None:
         remove_placement_group(group)
     finally:
         ray.shutdown()
+
+
+def test_cpu_actors_share_the_cores_and_omp_num_threads_caps_the_share(monkeypatch):
+    from miles.core.runtime import placement
+
+    monkeypatch.setattr(placement.os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [placement.cpu_threads_per_actor(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert [placement.cpu_threads_per_actor(n) for n in (1, 2, 4)] == [3, 3, 2]
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # unset in effect, as torch reads it
+    assert placement.cpu_threads_per_actor(1) == 8

@@ -251,6 +251,15 @@ class EngineLauncher:
         return index in self.started_on and not nodes_alive(self.started_on[index])
 
 
+def cpu_threads_per_actor(actors: int) -> int:
+    """On CPU, each actor's share of the cores, so the actors do not oversubscribe the machine
+    (torch's thread pools spin at every barrier while a thread of theirs waits for a core).
+    OMP_NUM_THREADS, where set, caps it, as torch itself would honour it."""
+    share = max(1, (os.cpu_count() or 1) // actors)
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    return min(share, int(cap)) if cap.isdigit() and int(cap) > 0 else share
+
+
 @dataclass
 class Placement:
     trainers: list[Any]
@@ -283,8 +292,7 @@ class Placement:
         layout = describe_layout(infos, train_at, engine_at)
         log.info("placement", mode=config.placement, layout=layout)
 
-        # On CPU, give each actor its share of cores so they do not oversubscribe the machine.
-        threads = None if gpus else max(1, (os.cpu_count() or 1) // (n_train + n_engines))
+        threads = None if gpus else cpu_threads_per_actor(n_train + n_engines)
         device = "cuda" if gpus else "cpu"
         common = {"config": config, "run_dir": run_dir, "device": device, "num_threads": threads}
         wait = config.fault.node_wait_s
