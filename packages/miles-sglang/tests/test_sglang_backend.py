@@ -233,6 +233,7 @@ def test_async_partial_rollouts_through_the_server(quickstart_model, tmp_path, s
             "--set", "async.on_weight_update=continue", "--set", "algorithm.correction=tis",
             # No warm-start: the random model rambles to max_new_tokens, so batches are long.
             "--set", "warmstart.steps=0", "--set", "rollout.max_new_tokens=32",
+            "--set", "train.micro_batch_tokens=64",
             "--set", f"steps={steps}", "--set", f"rollout.prompts_per_step={prompts}",
             "--set", f"rollout.samples_per_prompt={samples}",
             "--set", "eval.data=null", "--set", "telemetry.progress=false",
