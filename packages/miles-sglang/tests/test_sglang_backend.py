@@ -218,10 +218,13 @@ def test_async_partial_rollouts_through_the_server(quickstart_model, tmp_path, s
     start_server, stop_server = serve_process
     # The paged path batches continuously (requests join running ones), as SGLang does: a pause
     # finds the batch mid-generation rather than queued behind a running one.
-    # Its steps take 50 ms at least, so a batch outlasts a train step even on a loaded machine.
-    # (Not always: this test failed in CI on 3d70d2f and in two full runs here, the weight
-    # update landing before any cut request had a token; 150 ms did not cure it.)
-    server = start_server(quickstart_model, tmp_path, "--engine-path", "paged", slow=0.05)
+    # The update that cuts a batch comes one train step after the batch starts (0.3 to 0.5 s,
+    # micro-batches of 64 tokens): its requests must have tokens by then and not be done. The
+    # random model's answers are about 10 tokens, so the server's steps take 100 ms at least
+    # (at 50 ms most answers ended first: 2 of 7 cut requests had tokens). Every cut request
+    # had tokens at 100 ms, 19 of 19, idle and beside two busy processes; the server's single
+    # torch thread (tools/test.sh) keeps its first token prompt on a loaded machine.
+    server = start_server(quickstart_model, tmp_path, "--engine-path", "paged", slow=0.1)
     run = tmp_path / "run"
     steps, prompts, samples = 4, 8, 4
     try:
