@@ -50,14 +50,27 @@ class Server:
 
 
 def start_server(
-    model: str, tmp: Path, *args: str, port: int | None = None, slow: float = 0.0
+    model: str,
+    tmp: Path,
+    *args: str,
+    port: int | None = None,
+    slow: float = 0.0,
+    full_length: bool = False,
 ) -> Server:
     """`miles serve MODEL ARGS` on `port`; `slow`: its engine steps take at least this many
-    seconds (slow_serve.py)."""
+    seconds; `full_length`: every answer runs to max_new_tokens (slow_serve.py)."""
     port = port or free_port()
     log = tmp / f"serve-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MILES_TEST_STEP_DELAY_S": str(slow)}
-    cli = [str(Path(__file__).parent / "slow_serve.py")] if slow else ["-m", "miles.core.cli"]
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "MILES_TEST_STEP_DELAY_S": str(slow),
+        "MILES_TEST_FULL_LENGTH": "1" if full_length else "0",
+    }
+    test_server = slow or full_length
+    cli = (
+        [str(Path(__file__).parent / "slow_serve.py")] if test_server else ["-m", "miles.core.cli"]
+    )
     process = subprocess.Popen(
         [sys.executable, *cli, "serve", model, "--port", str(port), *args],
         stdout=log.open("wb"),

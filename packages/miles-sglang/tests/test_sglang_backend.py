@@ -218,15 +218,18 @@ def test_async_partial_rollouts_through_the_server(quickstart_model, tmp_path, s
     start_server, stop_server = serve_process
     # The paged path batches continuously (requests join running ones), as SGLang does: a pause
     # finds the batch mid-generation rather than queued behind a running one.
-    # The update that cuts a batch comes one train step after the batch starts (0.3 to 0.5 s,
-    # micro-batches of 64 tokens): its requests must have tokens by then and not be done. The
-    # random model's answers are about 10 tokens, so the server's steps take 100 ms at least
-    # (at 50 ms most answers ended first: 2 of 7 cut requests had tokens). Every cut request
-    # had tokens at 100 ms, 19 of 19, idle and beside two busy processes (with tools/test.sh's
-    # one torch thread per process). In full runs it still passed with few: 1 of 16 in one.
-    server = start_server(quickstart_model, tmp_path, "--engine-path", "paged", slow=0.1)
+    # An update cuts a batch when it comes one train step after the batch starts: with
+    # max_staleness 1 that is every other step (batches 2 and 4 of 6). Timing alone did not make
+    # the cut certain (CI on 6e65f1c: no sample spanned an update): the random model ends most
+    # answers after about 10 tokens, and the cut requests had no token yet. So the test server
+    # (slow_serve.py) decodes one token per 100 ms step and runs every answer to max_new_tokens
+    # (full_length, as SGLang's ignore_eos): a batch generates for 3.2 s at least, longer than a
+    # train step and a sync, and a request has its first token one step after it arrives.
+    server = start_server(
+        quickstart_model, tmp_path, "--engine-path", "paged", slow=0.1, full_length=True
+    )
     run = tmp_path / "run"
-    steps, prompts, samples = 4, 8, 4
+    steps, prompts, samples = 6, 8, 4
     try:
         done = miles_run(
             "quickstart", "--run-dir", str(run),
@@ -234,7 +237,6 @@ def test_async_partial_rollouts_through_the_server(quickstart_model, tmp_path, s
             "--set", "rollout.backend=sglang", "--set", f"rollout.urls=[{server.url}]",
             "--set", "mode=async", "--set", "async.max_staleness=1",
             "--set", "async.on_weight_update=continue", "--set", "algorithm.correction=tis",
-            # No warm-start: the random model's answers stay long enough (about 10 tokens).
             "--set", "warmstart.steps=0", "--set", "rollout.max_new_tokens=32",
             "--set", "train.micro_batch_tokens=64",
             "--set", f"steps={steps}", "--set", f"rollout.prompts_per_step={prompts}",
@@ -254,6 +256,7 @@ def test_async_partial_rollouts_through_the_server(quickstart_model, tmp_path, s
     trained = [r for r in ledger if r["fate"] == "trained"]
     assert len(trained) == steps * prompts * samples
     mixed = [r for r in ledger if r["weight_versions"][0] != r["weight_versions"][1]]
+    print(f"{len(mixed)} of {len(ledger)} samples span a weight update")
     assert mixed, "no sample spans a weight update"
 
 

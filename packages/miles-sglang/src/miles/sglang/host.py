@@ -76,10 +76,13 @@ class EngineHost:
     def __init__(self, engine: Any, max_batch_size: int = 64, max_queue: int = 1024) -> None:
         self.engine = engine
         self.max_batch_size = max_batch_size
-        # Engine calls at once. The paged engine merges concurrent calls into one schedule; the
-        # hf path batches within a call only, so there one call runs and the next takes
-        # everything that queued meanwhile.
-        self._slots = threading.Semaphore(4 if getattr(engine, "path", "hf") == "paged" else 1)
+        # Engine calls at once. The paged engine merges concurrent calls into one schedule, so a
+        # request joins the running ones at the next step, as in SGLang's scheduler (with 4
+        # calls, arrivals waited in the queue until a call ended: half of a batch had no token
+        # when a weight update came). The hf path batches within a call only, so there one call
+        # runs and the next takes everything that queued meanwhile.
+        paged = getattr(engine, "path", "hf") == "paged"
+        self._slots = threading.Semaphore(max_batch_size if paged else 1)
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count()
         self._lock = threading.Condition()
