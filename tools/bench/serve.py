@@ -9,6 +9,7 @@ in-process.
 
     python tools/bench/serve.py --out /tmp/serve.md            # the CPU twin
     python tools/bench/serve.py --device cuda --out /tmp/serve.md
+    python tools/bench/serve.py --engine-path paged          # the paged path on the CPU
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=256, help="the twin's width")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--engine-path", default="auto", choices=["auto", "paged", "hf"])
     parser.add_argument("--out", default="/tmp/serve.md")
     args = parser.parse_args()
 
@@ -124,7 +126,7 @@ def main() -> None:
         port = free_port()
         server = subprocess.Popen(
             [sys.executable, "-m", "miles.core.cli", "serve", model, "--port", str(port),
-             "--device", args.device, "--dtype", dtype],
+             "--device", args.device, "--dtype", dtype, "--engine-path", args.engine_path],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
@@ -136,10 +138,12 @@ def main() -> None:
                 except OSError:
                     time.sleep(0.2)
             post(url + "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
-            engine = TorchRolloutEngine(model, device=args.device, dtype=dtype, path="auto")
+            engine = TorchRolloutEngine(
+                model, device=args.device, dtype=dtype, path=args.engine_path
+            )
             engine.results([])  # nothing: keeps the first real call's timing fair
             lines = [
-                f"`miles serve` vs in-process, {args.device}, a {args.layers}-layer "
+                f"`miles serve` vs in-process, {args.device} ({engine.path} path), a {args.layers}-layer "
                 f"{args.hidden}-wide Qwen3 twin (vocab {vocab}, {dtype}); prompts of "
                 f"{args.prompt_len} tokens, up to {args.new_tokens} new tokens at T=1, "
                 f"{args.requests} requests per client",
