@@ -143,8 +143,8 @@ def main() -> None:
             )
             engine.results([])  # nothing: keeps the first real call's timing fair
             lines = [
-                f"`miles serve` vs in-process, {args.device} ({engine.path} path), a {args.layers}-layer "
-                f"{args.hidden}-wide Qwen3 twin (vocab {vocab}, {dtype}); prompts of "
+                f"`miles serve` vs in-process, {args.device} ({engine.path} path), a "
+                f"{args.layers}-layer {args.hidden}-wide Qwen3 twin (vocab {vocab}, {dtype}); prompts of "
                 f"{args.prompt_len} tokens, up to {args.new_tokens} new tokens at T=1, "
                 f"{args.requests} requests per client",
                 "",
