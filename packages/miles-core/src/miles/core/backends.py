@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from miles.core.config import LoRAConfig, ReplayMode
+from miles.core.config import LoRAConfig, ParallelConfig, ReplayMode
 from miles.core.protocols import PolicyLoss
 from miles.core.types import GenerateRequest, GenerateResult, PackedBatch
 from miles.core.weight_sync import SyncPlan
@@ -94,6 +94,8 @@ class TrainSetup:
     sync_timeout_s: float = 600.0  # a weight-sync peer silent this long has failed
     cpu_threads: int | None = None  # on CPU: this rank's share of the machine's cores
     verify_weights: bool = True  # the run compares engine checksums with this trainer's
+    # How the ranks split the model (`train.parallel`); data parallelism is what is left.
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass(frozen=True)

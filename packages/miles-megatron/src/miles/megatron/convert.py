@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -326,3 +326,36 @@ def hf_names(mapping: MegatronMapping) -> set[str]:
                     n = n if layer is None else n.replace("{layer}", str(layer))
                     names.add(n if e is None else n.replace(_EXPERT, str(e)))
     return names
+
+
+def local_names(mapping: MegatronMapping, layout: ParallelLayout, rank: Rank) -> list[str]:
+    """The local-spec names of the parameters `rank` holds of the mapping's weights."""
+    return [p.name for p in _placed(mapping, layout, rank)]
+
+
+def is_expert(name: str) -> bool:
+    """Whether a local-spec parameter is a routed expert's (cut by expert parallelism)."""
+    return ".experts.local_experts." in name
+
+
+def split_by_layer(mapping: MegatronMapping) -> list[MegatronMapping]:
+    """The mapping as units of weight sync and checkpointing, in Hugging Face order: the
+    embedding, then each decoder layer's dense weights, the final norm and head, and last each
+    layer's routed experts (gathered over other groups of ranks than the rest)."""
+    num_layers = int(mapping.transformer["num_layers"])
+
+    def unit(weights: list[MegatronWeight]) -> MegatronMapping:
+        return MegatronMapping(
+            tuple(weights), mapping.transformer, mapping.model, mapping.num_experts
+        )
+
+    flat = [w for w in mapping.weights if "{layer}" not in w.megatron]
+    first = [w for w in flat if w.megatron.startswith("embedding.")]
+    last = [w for w in flat if not w.megatron.startswith("embedding.")]
+    dense, experts = [], []
+    for layer in range(num_layers):
+        here = [replace(w, layers=(layer,)) for w in mapping.weights if layer in w.layers]
+        dense.append([w for w in here if _EXPERT not in w.megatron])
+        experts.append([w for w in here if _EXPERT in w.megatron])
+    groups = [first, *dense, last, *experts]
+    return [unit(g) for g in groups if g]

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from miles.megatron.convert import Index
+from miles.core.family import MegatronMapping
+from miles.megatron.convert import Index, TensorSource, WeightSource
 
 
 class SafetensorsSource:
@@ -47,3 +48,42 @@ class SafetensorsSource:
     def read(self, name: str, index: Index) -> torch.Tensor:
         part: torch.Tensor = self._slice(name)[index]
         return part
+
+
+def megatron_mapping(model_path: str) -> MegatronMapping:
+    """The Megatron mapping of a local checkpoint, by its installed model family."""
+    from miles.core.families import family_of_config, read_config
+
+    config = read_config(model_path)
+    if config is None:
+        raise FileNotFoundError(
+            f"{model_path}: no config.json; the megatron backend trains local Hugging Face "
+            "checkpoints"
+        )
+    family = family_of_config(config)
+    if family is None or family.megatron is None:
+        which = "no installed model family" if family is None else f"model family {family.name!r}"
+        raise ValueError(
+            f"{model_path}: {which} declares a Megatron mapping (model_type "
+            f"{config.get('model_type')!r}); train it with train.backend: fsdp"
+        )
+    return family.megatron(config)
+
+
+def checkpoint_source(model_path: str, mapping: MegatronMapping) -> WeightSource:
+    """The checkpoint's weights under the names the mapping reads (transformers' in-memory
+    names): its safetensors read a slice at a time where the names on disk are those; else (a
+    format transformers converts on load, e.g. per-expert tensors it fuses) the model as
+    transformers loads it, on the host."""
+    from miles.megatron.convert import hf_names
+
+    try:
+        source = SafetensorsSource(model_path)
+    except FileNotFoundError:
+        source = None
+    if source is not None and hf_names(mapping) <= set(source._file):
+        return source
+    from miles.torch.models import load_causal_lm
+
+    model = load_causal_lm(model_path, dtype=torch.float32)
+    return TensorSource(dict(model.state_dict()))

@@ -111,6 +111,7 @@ class TrainActor:
             sync_timeout_s=config.fault.request_timeout_s,
             cpu_threads=num_threads,
             verify_weights=config.rollout.verify_weights,
+            parallel=config.train.parallel,
         )
         self.backend: TrainBackend = build_component(
             Kind.TRAIN_BACKEND,
