@@ -246,17 +246,21 @@ def model_parallel(
     micro_batch_tokens: int,
     activation_checkpointing: bool,
     advice: Mapping[str, str] | None = None,
+    logit_chunk_tokens: int | None = None,
 ) -> TrainBytes:
     """Megatron-style: compute-dtype weights and fp32 gradients of this rank's model-parallel
     share; fp32 master weights and AdamW moments spread over data parallelism as well (the
-    distributed optimizer)."""
+    distributed optimizer). `logit_chunk_tokens`: the head's logits are made that many tokens
+    at a time (None: all of a micro-batch's at once)."""
     per_rank = model_parallel_share(inputs.shape, inputs.layout)
     trainable = 0 if inputs.lora else per_rank
     return TrainBytes(
         weights=inputs.compute_bytes * per_rank,
         gradients=4 * trainable,
         optimizer=12 * trainable / inputs.layout.data_parallel,
-        activations=activations(inputs, micro_batch_tokens, activation_checkpointing),
+        activations=activations(
+            inputs, micro_batch_tokens, activation_checkpointing, logit_chunk_tokens
+        ),
         micro_batch_tokens=micro_batch_tokens,
         notes=_lora_note(inputs),
         advice=advice or {},

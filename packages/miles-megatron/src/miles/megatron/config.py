@@ -26,8 +26,9 @@ class MegatronConfig:
     min_lr_ratio: float = 0.0
     # Real tokens per micro-batch (one packed THD row); bounds activation memory.
     micro_batch_tokens: int = 8192
-    # Weights and compute; "float32" for checks on CPU ranks. Main weights are fp32 either way.
-    dtype: str = "bfloat16"
+    # Weights and compute (main weights are fp32 either way); None: bfloat16 on CUDA, float32
+    # on CPU ranks.
+    dtype: str | None = None
     # Recompute each decoder layer in backward (megatron-core's full, uniform recompute).
     activation_checkpointing: bool = False
     # Routed experts' own tensor-parallel size (megatron-core's expert_tensor_parallel_size);
@@ -43,7 +44,7 @@ class MegatronConfig:
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.micro_batch_tokens <= 0:
             raise ValueError(f"micro_batch_tokens must be positive, got {self.micro_batch_tokens}")

@@ -85,7 +85,6 @@ def make_trainer(
     parallel = ParallelConfig(
         **{k: options.pop(k) for k in ("tensor", "pipeline", "expert") if k in options}
     )
-    options.setdefault("dtype", "float32" if cpu else "bfloat16")
     options.setdefault("cpu_test_shims", cpu)
     setup_fields = {f.name for f in dataclasses.fields(TrainSetup)}
     setup = TrainSetup(

@@ -109,7 +109,8 @@ class MegatronTrainer:
             self.device, setup.master_addr, setup.master_port, self.rank, self.world_size
         )
         torch.manual_seed(setup.seed)
-        self.dtype = torch.float32 if self.cfg.dtype == "float32" else torch.bfloat16
+        dtype = self.cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = getattr(torch, dtype)
         p = setup.parallel
         self.layout = ParallelLayout(
             tp=p.tensor, pp=p.pipeline, ep=p.expert, etp=self.cfg.expert_tensor_parallel

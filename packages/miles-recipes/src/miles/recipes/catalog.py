@@ -19,10 +19,7 @@ CONFIGS = Path(str(resources.files("miles.recipes") / "configs"))
 # The packages that provide the production backends the frontier recipes name, for the error a
 # user sees when they are not installed.
 PROVIDERS = {
-    "megatron": (
-        "miles-megatron (its train backend is not in this release yet; what it holds today: "
-        "docs/megatron.md)"
-    ),
+    "megatron": "the miles-megatron package (the Megatron-core train backend: docs/megatron.md)",
     "sglang": "the miles-sglang package (SGLang rollout: running servers attached by rollout.urls)",
 }
 

@@ -190,8 +190,18 @@ def _is_moe_layer(c: Mapping[str, Any], index: int) -> bool:
     )
 
 
+def _moe_fields(config: Config) -> dict[str, Any]:
+    """config.json over Qwen3-MoE's defaults. transformers 5 writes the expert count as
+    `num_local_experts` (its alias of `num_experts`): either name is read."""
+    c = dict(with_defaults(config, QWEN3_MOE_DEFAULTS))
+    text = config.get("text_config", config)
+    if "num_experts" not in text and text.get("num_local_experts") is not None:
+        c["num_experts"] = text["num_local_experts"]
+    return c
+
+
 def qwen3_moe_shape(config: Config) -> ModelShape:
-    c = with_defaults(config, QWEN3_MOE_DEFAULTS)
+    c = _moe_fields(config)
     hidden, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
     heads, kv_heads = int(c["num_attention_heads"]), int(c["num_key_value_heads"])
     head_dim = int(c["head_dim"] or hidden // heads)
@@ -243,7 +253,7 @@ def qwen3_parallel(config: Config) -> ParallelHints:
 
 
 def qwen3_moe_parallel(config: Config) -> ParallelHints:
-    c = with_defaults(config, QWEN3_MOE_DEFAULTS)
+    c = _moe_fields(config)
     return ParallelHints(
         tensor_divides=(
             ("num_attention_heads", int(c["num_attention_heads"])),
@@ -318,7 +328,7 @@ def qwen3_megatron(config: Config) -> MegatronMapping:
 
 
 def qwen3_moe_megatron(config: Config) -> MegatronMapping:
-    c = with_defaults(config, QWEN3_MOE_DEFAULTS)
+    c = _moe_fields(config)
     n = int(c["num_hidden_layers"])
     moe = [i for i in range(n) if _is_moe_layer(c, i)]
     dense = [i for i in range(n) if i not in moe]
