@@ -14,6 +14,7 @@ OUT_DIR/result.safetensors (the final weights under Hugging Face names, and the 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,8 +48,14 @@ def main() -> None:
         from miles.megatron.testing import make_trainer
     sizes = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
     parallel = {sizes[layout[:2]]: int(layout[2:])} if backend == "megatron" else {}
+    # MILES_TEST_DEVICE=cuda: rank r on GPU r, bf16 compute (fp32 main weights) on both sides.
+    options: dict[str, object] = {}
+    if os.environ.get("MILES_TEST_DEVICE") == "cuda":
+        from miles.precision.dtype import bf16
+
+        options = {"device": f"cuda:{rank}", "dtype": "bfloat16", "precision": bf16()}
     trainer = make_trainer(
-        model, master_port=int(port), rank=rank, world_size=world, **parallel, **CONFIG
+        model, master_port=int(port), rank=rank, world_size=world, **parallel, **options, **CONFIG
     )
     metrics = []
     result = trainer.logprobs(batch)
@@ -63,7 +70,9 @@ def main() -> None:
     weights["__logprobs__"] = torch.from_numpy(result.logprobs)
     weights["__entropy__"] = torch.from_numpy(result.entropy)
     summary: dict[str, object] = {"metrics": metrics, "routing": result.metrics}
-    if not resume:
+    # On CPU: a sync in place into an engine in this process. On a GPU the in-place handles are
+    # CUDA IPC, which a process cannot open for itself: runs check that path (colocated quickstart).
+    if not resume and os.environ.get("MILES_TEST_DEVICE") != "cuda":
         summary["sync_checksum_equal"] = _sync_to_engine(trainer, model, rank)
     (out / f"metrics_rank{rank}.json").write_text(json.dumps(summary))
     if rank == 0:

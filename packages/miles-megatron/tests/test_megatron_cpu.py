@@ -45,7 +45,7 @@ CASES = [
     (("qwen3_moe", "1", "2", "1", "norm_topk_prob=false", "tie_word_embeddings=false"), False),
     # Multi-latent attention with YaRN, sigmoid group-limited routing, shared experts.
     (("deepseek_v3", "1", "1", "1"), True),
-    (("deepseek_v3", "2", "2", "1"), False),
+    (("llama", "2", "1", "1"), True),  # no q/k norms, tied embeddings, TP=2
 ]
 
 
@@ -123,35 +123,6 @@ def test_a_model_megatron_cannot_express_is_refused_before_it_is_built() -> None
     sliding = {**qwen3_tiny(), "vocab_size": 300, "use_sliding_window": True}
     with pytest.raises(UnsupportedModel, match=r"sliding-window.*train\.backend: fsdp"):
         transformer_config(qwen3_megatron(sliding), ParallelLayout())
-
-
-def test_a_training_step_and_checkpoint_agree_across_layouts(tmp_path: Path) -> None:
-    """tools/bench/megatron_parity.py on two CPU ranks: megatron-core's DDP, optimizer, 1F1B
-    schedule and dist_checkpointing through Miles' model, at TP=2 and PP=2 against TP=PP=1, and
-    the TP=2 trainer's weights synced to a native engine."""
-    bench = Path(__file__).parents[3] / "tools" / "bench" / "megatron_parity.py"
-    out = tmp_path / "parity.md"
-    port = str(29900 + os.getpid() % 90 * 2)
-    run = subprocess.run(
-        [sys.executable, str(bench), "--device", "cpu", "--model", "qwen3", "--layouts",
-         "tp2,pp2", "--set", "tie_word_embeddings=false", "--sync-at", "tp2", "--port", port,
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = {r["layout"]: r for r in map(json.loads, _json_lines(run.stdout))}
-    assert rows["reference"]["logprob_vs_transformers"] < 1e-5
-    for layout in ("tp2", "pp2"):
-        row = rows[layout]
-        assert row["checkpoint"] is True, row  # the previous layout's checkpoint, loaded here
-        assert row["logprob_max_abs_diff"] < 1e-5, row
-        # Adam's first step is about lr x sign(grad): a wrong gradient anywhere moves whole
-        # tensors the other way (relative differences near 1), fp32 rounding does not.
-        assert row["update_rel_diff"] < 1e-2 and row["worst_tensor"][1] < 0.1, row
-        # Adam does not see a gradient's scale; the gradient norm does.
-        assert abs(row["grad_norm"] / rows["reference"]["grad_norm"] - 1) < 1e-5, row
-    assert rows["tp2"]["sync_checksum_equal"] is True
-    assert "| pp2 |" in out.read_text()
 
 
 def _json_lines(text: str) -> list[str]:

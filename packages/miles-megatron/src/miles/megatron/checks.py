@@ -25,7 +25,11 @@ def megatron_run_checks(run: RunConfig, config: MegatronConfig) -> list[str]:
             f"their gate weights; use moe.routing_replay: ids, {FSDP}"
         )
     parallel = run.train.parallel
-    if config.activation_checkpointing and run.moe.routing_replay != "off" and parallel.pipeline > 1:
+    if (
+        config.activation_checkpointing
+        and run.moe.routing_replay != "off"
+        and parallel.pipeline > 1
+    ):
         problems.append(
             "train.activation_checkpointing with moe.routing_replay at train.parallel.pipeline > 1: "
             "the 1F1B schedule recomputes a micro-batch after later ones have set their records; "
@@ -38,9 +42,7 @@ def megatron_run_checks(run: RunConfig, config: MegatronConfig) -> list[str]:
 def _device_problems(run: RunConfig, config: MegatronConfig) -> list[str]:
     if config.cpu_test_shims:
         return []
-    why = (
-        "the megatron backend trains on CUDA GPUs (megatron-core is written for them)"
-    )
+    why = "the megatron backend trains on CUDA GPUs (megatron-core is written for them)"
     if run.cluster.device == "cpu":
         return [f"train.backend: {why}, but cluster.device is cpu; {FSDP}"]
     if run.cluster.device == "auto" and not _local_cuda():
@@ -104,9 +106,7 @@ def _model_problems(run: RunConfig, config: MegatronConfig) -> list[str]:
     return _layout_problems(run, config, mapping.transformer, text_config(hf))
 
 
-def _layout_problems(
-    run: RunConfig, config: MegatronConfig, t: Any, hf: Any
-) -> list[str]:
+def _layout_problems(run: RunConfig, config: MegatronConfig, t: Any, hf: Any) -> list[str]:
     p, problems = run.train.parallel, []
     layers, heads = int(t["num_layers"]), int(t["num_attention_heads"])
     groups = int(t.get("num_query_groups") or heads)

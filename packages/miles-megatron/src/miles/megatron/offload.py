@@ -17,7 +17,8 @@ import torch
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """The storage as a flat uint8 tensor that shares it."""
     t = torch.empty(0, dtype=torch.uint8, device=storage.device)
-    return t.set_(storage, 0, (storage.nbytes(),))  # type: ignore[call-overload]
+    out: torch.Tensor = t.set_(storage, 0, (storage.nbytes(),))  # type: ignore[call-overload]
+    return out
 
 
 class HostOffload:

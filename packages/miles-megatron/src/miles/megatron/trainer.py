@@ -30,7 +30,7 @@ import dataclasses
 import gc
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from pathlib import Path
@@ -61,6 +61,7 @@ from miles.core.types import PackedBatch
 from miles.core.weight_sync import SyncPlan
 from miles.megatron.config import MegatronConfig, schedule_problem
 from miles.megatron.convert import TensorSource, WeightSource, shard
+from miles.megatron.cpu_shims import run_megatron_on_cpu
 from miles.megatron.gathering import ShardGather, exchange_rank_info
 from miles.megatron.head import bypass_output_layer, output_weight
 from miles.megatron.layout import ParallelLayout, Rank
@@ -70,6 +71,7 @@ from miles.megatron.offload import HostOffload
 from miles.megatron.optimizer_state import MOMENTS, gather_state, load_state, optimizers
 from miles.megatron.replay import RoutingReplay
 from miles.megatron.sources import checkpoint_source, megatron_mapping
+from miles.torch.models import local_checkpoint
 from miles.torch.sync.sender import WeightSender, WeightView
 from miles.torch.train import checkpoint as ckpt
 from miles.torch.train import profiling
@@ -93,7 +95,8 @@ class MegatronTrainer:
         if problem := schedule_problem(cfg, total_steps):
             raise ValueError(problem)
         self.cfg = dataclasses.replace(cfg, total_steps=total_steps)
-        self.setup, self.model_path = setup, setup.model_path
+        # A .gguf model is read through the checkpoint Miles converts it to, as fsdp reads it.
+        self.setup, self.model_path = setup, local_checkpoint(setup.model_path)
         self.rank, self.world_size = setup.rank, setup.world_size
         self.temperature = setup.temperature
         self.device = resolve_device(setup.device)
@@ -125,8 +128,6 @@ class MegatronTrainer:
         if self.device.type == "cuda":
             tensor_parallel.model_parallel_cuda_manual_seed(setup.seed)
         else:
-            from miles.megatron.testing import run_megatron_on_cpu
-
             run_megatron_on_cpu()
         self.mapping: MegatronMapping = megatron_mapping(self.model_path)
         self.vocab_size = int(self.mapping.model["vocab_size"])
@@ -140,7 +141,7 @@ class MegatronTrainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.ddp, self.optimizer = self._build()
-        self._keep_padding_row(setup.model_path)
+        self._keep_padding_row(self.model_path)
         self.scheduler = self._scheduler()
         self._names = {id(p): n for n, p in self.ddp.module.named_parameters()}
         ranks = exchange_rank_info(self.coords, self._local_params())
@@ -273,7 +274,7 @@ class MegatronTrainer:
 
     @torch.no_grad()
     def _load_weights(
-        self, source: WeightSource, state: dict[str, WeightSource] | None = None
+        self, source: WeightSource, state: Mapping[str, WeightSource] | None = None
     ) -> None:
         """The model's weights and the optimizer's fp32 main weights from Hugging Face weights
         (no rounding through bf16), and Adam's moments from `state` (None: zeros)."""
@@ -374,7 +375,9 @@ class MegatronTrainer:
         out = torch.zeros(3 if has_ref else 2, len(batch.tokens), device=self.device)
         mbs = self._micro_batches(batch)
 
-        def fill(rows: slice, mb: MicroBatch, result: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        def fill(
+            rows: slice, mb: MicroBatch, result: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, Any]]:
             """Writes (logprobs, entropy) of `mb` into `rows` of `out` (the reference: one)."""
             if not mb.is_padding and self.coords.tp == 0:  # tensor ranks hold the same values
                 n = rows.stop - rows.start
@@ -434,7 +437,7 @@ class MegatronTrainer:
             weights = batch.loss_mask / max(float(batch.loss_mask.sum()), 1.0)
         keys: list[str] = []
 
-        def loss_of(mb: MicroBatch, result: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        def loss_of(mb: MicroBatch, result: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
             lp, entropy = result[0], result[1]
             inputs = self._loss_inputs(batch, weights, mb, lp, entropy)
             per_token, metrics = loss(inputs)

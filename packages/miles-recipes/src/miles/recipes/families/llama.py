@@ -6,8 +6,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from miles.core.family import Config, ModelFamily, ModelShape, ParallelHints, ParamCounts
-from miles.recipes.families.qwen3 import quantization_notices, with_defaults
+from miles.core.family import (
+    Config,
+    MegatronMapping,
+    ModelFamily,
+    ModelShape,
+    ParallelHints,
+    ParamCounts,
+)
+from miles.recipes.families.megatron_maps import attention_weights, outer_weights, swiglu_weights
+from miles.recipes.families.qwen3 import quantization_notices, rope_theta, with_defaults
 from miles.recipes.families.sizing import embeddings, linear, rms_norm_act, swiglu, swiglu_act
 
 # Defaults of transformers' LlamaConfig for the fields `shape` reads.
@@ -79,6 +87,43 @@ def llama_parallel(config: Config) -> ParallelHints:
     )
 
 
+def llama_megatron(config: Config) -> MegatronMapping:
+    """Megatron-core's GPTModel of a Llama: Qwen3's decoder layer without the per-head q/k norms."""
+    c = with_defaults(config, LLAMA_DEFAULTS)
+    heads, kv_heads, head_dim = _heads(c)
+    theta, unsupported = rope_theta(c, 10_000.0)
+    if c["attention_bias"] or c["mlp_bias"]:
+        unsupported.append("linear biases (attention_bias, mlp_bias)")
+    layers = range(int(c["num_hidden_layers"]))
+    transformer = {
+        "num_layers": len(layers),
+        "hidden_size": int(c["hidden_size"]),
+        "num_attention_heads": heads,
+        "num_query_groups": kv_heads,
+        "kv_channels": head_dim,
+        "ffn_hidden_size": int(c["intermediate_size"]),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": float(c.get("rms_norm_eps", 1e-6)),
+        "gated_linear_unit": True,
+        "activation": "silu",
+        "add_bias_linear": False,
+        "qk_layernorm": False,
+    }
+    model = {
+        "vocab_size": int(c["vocab_size"]),
+        "max_sequence_length": int(c.get("max_position_embeddings", 2048)),
+        "rotary_base": theta,
+        "share_embeddings_and_output_weights": bool(c["tie_word_embeddings"]),
+        "position_embedding_type": "rope",
+    }
+    weights = (
+        outer_weights(tied=bool(c["tie_word_embeddings"]))
+        + attention_weights(layers, qk_norm=False)
+        + swiglu_weights(layers)
+    )
+    return MegatronMapping(tuple(weights), transformer, model, unsupported=tuple(unsupported))
+
+
 def llama_tiny() -> dict[str, Any]:
     # SmolLM2's proportions (GQA 3:1, tied embeddings), scaled down.
     return {
@@ -107,4 +152,5 @@ def llama() -> ModelFamily:
         rms_norms=("LlamaRMSNorm",),
         summary="Llama: GQA with rotary embeddings, SwiGLU MLP (SmolLM2, TinyLlama, Llama 2/3)",
         checkpoints=("HuggingFaceTB/SmolLM2-135M-Instruct",),
+        megatron=llama_megatron,
     )
