@@ -186,19 +186,22 @@ def activations(
     micro_batch_tokens: int,
     activation_checkpointing: bool,
     logit_chunk_tokens: int | None = None,
+    layer_factor: float = 1.0,
 ) -> float:
     """One micro-batch: every layer's saved activations (or only each layer's input with
     activation checkpointing, plus one layer recomputed), and the logits with their fp32
     log-softmax: of every token at once, or of `logit_chunk_tokens` at a time for a backend
     that computes its head in chunks. Tensor (with sequence) and context parallelism split
-    them."""
+    them. The family's per-layer estimate counts what fused layers keep; `layer_factor` scales
+    it for a backend whose layers keep more (measured, e.g. megatron-core's local spec)."""
     shape, layout, act_bytes = inputs.shape, inputs.layout, inputs.compute_bytes
     tokens = float(micro_batch_tokens)
+    per_layer_elems = shape.act_elems_per_token * layer_factor
     if activation_checkpointing:
-        per_layer = shape.act_elems_per_token / max(shape.num_layers, 1)
+        per_layer = per_layer_elems / max(shape.num_layers, 1)
         saved = tokens * (shape.hidden_size * shape.num_layers + per_layer) * act_bytes
     else:
-        saved = tokens * shape.act_elems_per_token * act_bytes
+        saved = tokens * per_layer_elems * act_bytes
     if logit_chunk_tokens is None:
         logits = tokens * shape.vocab_size * (act_bytes + _LOGIT_FP32_BYTES)
     else:
@@ -247,11 +250,12 @@ def model_parallel(
     activation_checkpointing: bool,
     advice: Mapping[str, str] | None = None,
     logit_chunk_tokens: int | None = None,
+    layer_factor: float = 1.0,
 ) -> TrainBytes:
     """Megatron-style: compute-dtype weights and fp32 gradients of this rank's model-parallel
     share; fp32 master weights and AdamW moments spread over data parallelism as well (the
     distributed optimizer). `logit_chunk_tokens`: the head's logits are made that many tokens
-    at a time (None: all of a micro-batch's at once)."""
+    at a time (None: all of a micro-batch's at once); `layer_factor`: see `activations`."""
     per_rank = model_parallel_share(inputs.shape, inputs.layout)
     trainable = 0 if inputs.lora else per_rank
     return TrainBytes(
@@ -259,7 +263,7 @@ def model_parallel(
         gradients=4 * trainable,
         optimizer=12 * trainable / inputs.layout.data_parallel,
         activations=activations(
-            inputs, micro_batch_tokens, activation_checkpointing, logit_chunk_tokens
+            inputs, micro_batch_tokens, activation_checkpointing, logit_chunk_tokens, layer_factor
         ),
         micro_batch_tokens=micro_batch_tokens,
         notes=_lora_note(inputs),

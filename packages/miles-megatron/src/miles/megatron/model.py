@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from miles.core.family import MegatronMapping
 from miles.megatron.attention import PackedCoreAttention
 from miles.megatron.layout import ParallelLayout
+from miles.megatron.rope import use_packed_rope
 
 # Fused kernels that need TransformerEngine or apex; off on the local spec.
 _NO_TE = {
@@ -80,6 +81,7 @@ def build_gpt_model(
     mapping: MegatronMapping, layout: ParallelLayout, config: TransformerConfig
 ) -> GPTModel:
     """This rank's GPTModel (its pipeline stage, its tensor and expert shards)."""
+    use_packed_rope()
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     for layer in spec.layer_specs:
         attention = layer.submodules.self_attention.submodules

@@ -5,6 +5,8 @@ megatron-core's parameters and gradients are views into its DDP buffers, and the
 views and copies of its own; moving the tensors one by one would break the views. Resizing each
 underlying storage to zero (after copying it out) keeps every view valid, as Megatron-LM's own
 `offload_grad_buffers` does, and restoring it (resize back, copy in) brings them all back.
+Gradient buffers are not copied: they are zeroed before every step anyway, so they come back as
+zeros. The pinned host buffers are kept from one sleep to the next (pinning is slow).
 """
 
 from __future__ import annotations
@@ -21,46 +23,64 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return out
 
 
+def _storages(tensors: Iterable[torch.Tensor], seen: set[int]) -> list[torch.UntypedStorage]:
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            out.append(storage)
+    return out
+
+
 class HostOffload:
     """Copies of storages in host memory while the device's are released."""
 
     def __init__(self) -> None:
-        self._saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        self._kept: list[tuple[torch.UntypedStorage, int]] = []  # (storage, its bytes)
+        self._dropped: list[tuple[torch.UntypedStorage, int]] = []
+        self._host: list[torch.Tensor] = []  # pinned, by position, reused across sleeps
 
     @property
     def asleep(self) -> bool:
-        return bool(self._saved)
+        return bool(self._kept or self._dropped)
 
     @torch.no_grad()
-    def offload(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Frees the storage of every tensor after keeping a host copy; returns bytes moved."""
-        if self._saved:
+    def offload(self, tensors: Iterable[torch.Tensor], discard: Iterable[torch.Tensor] = ()) -> int:
+        """Frees the storage of every tensor after keeping a host copy (of `discard`'s: none;
+        they come back zeroed); returns the bytes copied out."""
+        if self.asleep:
             return 0
         seen: set[int] = set()
-        for t in tensors:
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key in seen or storage.nbytes() == 0:
-                continue
-            seen.add(key)
-            device_bytes = _bytes(storage)
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=device_bytes.is_cuda)
-            host.copy_(device_bytes, non_blocking=True)
-            self._saved.append((storage, host))
+        dropped = _storages(discard, seen)
+        kept = _storages(tensors, seen)
+        moved = 0
+        for i, storage in enumerate(kept):
+            n = storage.nbytes()
+            if i >= len(self._host) or self._host[i].numel() != n:
+                host = torch.empty(n, dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+                self._host[i : i + 1] = [host]
+            self._host[i].copy_(_bytes(storage), non_blocking=True)
+            moved += n
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        for storage, _ in self._saved:
+        self._kept = [(s, s.nbytes()) for s in kept]
+        self._dropped = [(s, s.nbytes()) for s in dropped]
+        for storage, _ in (*self._kept, *self._dropped):
             storage.resize_(0)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return sum(host.numel() for _, host in self._saved)
+        return moved
 
     @torch.no_grad()
     def restore(self) -> None:
         """Gives every storage its bytes back, where they were."""
-        for storage, host in self._saved:
-            storage.resize_(host.numel())
-            _bytes(storage).copy_(host, non_blocking=True)
+        for i, (storage, n) in enumerate(self._kept):
+            storage.resize_(n)
+            _bytes(storage).copy_(self._host[i], non_blocking=True)
+        for storage, n in self._dropped:
+            storage.resize_(n)
+            _bytes(storage).zero_()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self._saved = []
+        self._kept, self._dropped = [], []

@@ -656,7 +656,8 @@ class MegatronTrainer:
         for a colocated engine. A no-op on CPU ranks."""
         if self.device.type != "cuda":
             return
-        self._offload.offload(self._device_tensors())
+        grads = [b.grad_data for b in [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]]
+        self._offload.offload(self._device_tensors(), discard=grads)
 
     def wake(self) -> None:
         if self.device.type == "cuda":
@@ -666,8 +667,8 @@ class MegatronTrainer:
         yield from self.ddp.module.parameters()
         yield from self.ddp.module.buffers()
         for buffer in [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]:
-            yield buffer.param_data if buffer.param_data is not None else buffer.grad_data
-            yield buffer.grad_data
+            if buffer.param_data is not None:
+                yield buffer.param_data
         for opt_state in _adam_states(self.optimizer, with_params=True):
             yield from (v for v in opt_state.values() if isinstance(v, torch.Tensor) and v.is_cuda)
 
