@@ -26,8 +26,8 @@ class MegatronConfig:
     min_lr_ratio: float = 0.0
     # Real tokens per micro-batch (one packed THD row); bounds activation memory.
     micro_batch_tokens: int = 8192
-    # Weights and compute (main weights are fp32 either way); None: bfloat16 on CUDA, float32
-    # on CPU ranks.
+    # Weights and compute (main weights are fp32 either way); None: the run's precision's
+    # (bf16 or fp32, what engines compute in) on GPUs, float32 on CPU ranks.
     dtype: str | None = None
     # Recompute each decoder layer in backward (megatron-core's full, uniform recompute).
     activation_checkpointing: bool = False

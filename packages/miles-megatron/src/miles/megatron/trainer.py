@@ -112,8 +112,7 @@ class MegatronTrainer:
             self.device, setup.master_addr, setup.master_port, self.rank, self.world_size
         )
         torch.manual_seed(setup.seed)
-        dtype = self.cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
-        self.dtype = getattr(torch, dtype)
+        self.dtype = getattr(torch, self.cfg.dtype or _default_dtype(setup, self.device))
         p = setup.parallel
         self.layout = ParallelLayout(
             tp=p.tensor, pp=p.pipeline, ep=p.expert, etp=self.cfg.expert_tensor_parallel
@@ -689,6 +688,15 @@ class MegatronTrainer:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _default_dtype(setup: TrainSetup, device: torch.device) -> str:
+    """Without `train.dtype`: fp32 on CPU ranks; on GPUs the run's precision's (what engines
+    compute in: bf16 or fp32), so trainer and engines agree; bf16 for any other."""
+    if device.type != "cuda":
+        return "float32"
+    rollout = setup.precision.rollout_dtype
+    return rollout if rollout in ("float32", "bfloat16") else "bfloat16"
 
 
 def _finalize_summed(model: Any, num_tokens: Any = None, **kwargs: Any) -> None:
