@@ -65,3 +65,20 @@ def test_twin_trains_through_megatron_and_syncs_to_the_engine(
         assert r["shifted_diff"] > 1e-2, r
     else:
         assert r["routing_0"] == {}, r
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v4", "qwen3_5", "qwen3_5_moe"])
+def test_a_family_without_a_mapping_is_refused_with_what_megatron_core_lacks(
+    family: str, tmp_path: Path
+) -> None:
+    from miles.core.config import parse
+    from miles.megatron.checks import megatron_run_checks
+    from miles.megatron.config import MegatronConfig
+    from miles.recipes.twins import twin_config_dict
+
+    (tmp_path / "config.json").write_text(json.dumps(twin_config_dict(family)))
+    run = parse({"model": {"path": str(tmp_path)}, "train": {"backend": "megatron"}})
+    problems = megatron_run_checks(run, MegatronConfig(cpu_test_shims=True))
+    missing = get_plugin_manager().get(Kind.FAMILY, family).spec.factory().megatron_missing
+    assert missing, family
+    assert any(missing in p and "train.backend: fsdp" in p for p in problems), problems

@@ -191,6 +191,9 @@ class ModelFamily:
     config_for: Callable[[str], dict[str, Any] | None] | None = None
     # The Megatron-core model of a config.json; None: the megatron backend cannot train it.
     megatron: Callable[[Config], MegatronMapping] | None = None
+    # Without `megatron`: what of the architecture megatron-core cannot express (the refusal
+    # says it).
+    megatron_missing: str = ""
 
 
 def text_config(config: Config) -> Config:

@@ -91,11 +91,7 @@ def _model_problems(run: RunConfig, config: MegatronConfig) -> list[str]:
         return []  # a hub id: the trainer checks when it loads
     family = family_of_config(hf)
     if family is None or family.megatron is None:
-        which = "no installed model family" if family is None else f"model family {family.name!r}"
-        return [
-            f"model.path: {which} declares a Megatron mapping for model_type "
-            f"{hf.get('model_type')!r}; the megatron backend cannot build it ({FSDP})"
-        ]
+        return [f"model.path: {no_mapping(family, hf.get('model_type'))} ({FSDP})"]
     mapping = family.megatron(hf)
     if mapping.unsupported:
         return [
@@ -104,6 +100,18 @@ def _model_problems(run: RunConfig, config: MegatronConfig) -> list[str]:
             + f" ({FSDP})"
         ]
     return _layout_problems(run, config, mapping.transformer, text_config(hf))
+
+
+def no_mapping(family: Any, model_type: Any) -> str:
+    """Why the megatron backend cannot build a model: no family, or what the family's
+    architecture has that megatron-core cannot express."""
+    if family is None:
+        return (
+            f"no installed model family covers model_type {model_type!r}, so the megatron "
+            "backend has no Megatron mapping for it"
+        )
+    missing = family.megatron_missing or "no Megatron mapping is declared for it yet"
+    return f"the megatron backend cannot build model family {family.name!r}: {missing}"
 
 
 def _layout_problems(run: RunConfig, config: MegatronConfig, t: Any, hf: Any) -> list[str]:

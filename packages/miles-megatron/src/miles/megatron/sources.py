@@ -62,10 +62,11 @@ def megatron_mapping(model_path: str) -> MegatronMapping:
         )
     family = family_of_config(config)
     if family is None or family.megatron is None:
-        which = "no installed model family" if family is None else f"model family {family.name!r}"
+        from miles.megatron.checks import no_mapping
+
         raise ValueError(
-            f"{model_path}: {which} declares a Megatron mapping (model_type "
-            f"{config.get('model_type')!r}); train it with train.backend: fsdp"
+            f"{model_path}: {no_mapping(family, config.get('model_type'))}; train it with "
+            "train.backend: fsdp"
         )
     return family.megatron(config)
 

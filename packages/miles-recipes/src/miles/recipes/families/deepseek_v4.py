@@ -524,7 +524,8 @@ _TOOLS_TAIL = (
 _REASONING_EFFORT_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to "
-    "resolve the root cause, rigorously stress-testing your logic against all potential paths, "
+    "resolve the root cause, rigorously stress-testing your logic against all potential"
+    " paths, "
     "edge cases, and adversarial scenarios.\n"
     "Explicitly write out your entire deliberation process, documenting every intermediate "
     "step, considered alternative, and rejected hypothesis to ensure absolutely no assumption "
@@ -563,7 +564,8 @@ CHAT_TEMPLATE = (
     "{%- set drop_thinking = not tools -%}"
     "{%- set ns = namespace(last_user=-1) -%}"
     "{%- for message in messages -%}"
-    "{%- if message.role in ['user', 'tool'] -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- if message.role in ['user', 'tool'] -%}{%- set ns.last_user = loop.index0 "
+    "-%}{%- endif -%}"
     "{%- endfor -%}"
     "{%- if bos_token is defined and bos_token -%}{{- bos_token -}}{%- endif -%}"
     "{%- if thinking_mode and reasoning_effort is defined and reasoning_effort == 'max' -%}"
@@ -600,7 +602,8 @@ CHAT_TEMPLATE = (
     "{%- for call in message.tool_calls -%}"
     "{%- set fn = call.function if call.function is defined else call -%}"
     "{%- if fn.arguments is not mapping -%}"
-    "{{- raise_exception('DeepSeek-V4 chat template: tool call arguments must be a mapping') -}}"
+    "{{- raise_exception('DeepSeek-V4 chat template: tool call arguments must be a "
+    "mapping') -}}"
     "{%- endif -%}"
     "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}"
     "{{- " + _literal(f'<{_DSML}invoke name="') + " + fn.name + " + _literal('">\n') + " -}}"
@@ -640,6 +643,12 @@ def random_hash_tables(model: Any) -> None:
 def deepseek_v4() -> ModelFamily:
     return ModelFamily(
         "deepseek_v4",
+        megatron_missing=(
+            "manifold-constrained hyper-connections (hc_mult residual streams mixed by "
+            "Sinkhorn-projected matrices), shared-KV attention with sinks, a sliding "
+            "window and compressed (CSA / HCA) history picked by a lightning indexer, "
+            "and hash-routed experts: none of them is a megatron-core GPTModel layer"
+        ),
         model_types=("deepseek_v4",),
         router=SqrtSoftplusRouter(),
         shape=shape,

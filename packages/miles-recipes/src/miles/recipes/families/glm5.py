@@ -319,6 +319,12 @@ def tiny() -> dict[str, Any]:
 def glm_moe_dsa() -> ModelFamily:
     return ModelFamily(
         "glm_moe_dsa",
+        megatron_missing=(
+            "DeepSeek Sparse Attention's lightning indexer (each query attends only to "
+            "the index_topk keys it selects), which megatron-core's local layer spec "
+            "has no module for; its MLA, dense and MoE layers alone would be "
+            "expressible"
+        ),
         model_types=("glm_moe_dsa",),
         router=SigmoidGroupRouter(),
         shape=shape,

@@ -89,6 +89,14 @@ class RenormalizedSoftmaxRouter(SoftmaxTopKRouter):
         return (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
 
 
+# What the megatron backend would need (the families declare no Megatron mapping).
+QWEN3_5_MEGATRON_MISSING = (
+    "Gated DeltaNet linear-attention layers (a causal convolution and a gated "
+    "delta-rule recurrence) and full attention with an output gate, which "
+    "megatron-core's GPTModel has no layers for"
+)
+
+
 def _is_wrapper(config: Config) -> bool:
     return config.get("model_type") in WRAPPER_TYPES
 
@@ -424,6 +432,7 @@ def qwen3_5_moe_tiny() -> dict[str, Any]:
 def qwen3_5() -> ModelFamily:
     return ModelFamily(
         "qwen3_5",
+        megatron_missing=QWEN3_5_MEGATRON_MISSING,
         model_types=("qwen3_5", "qwen3_5_text"),
         shape=qwen3_5_shape,
         parallel=qwen3_5_parallel,
@@ -437,6 +446,7 @@ def qwen3_5() -> ModelFamily:
 def qwen3_5_moe() -> ModelFamily:
     return ModelFamily(
         "qwen3_5_moe",
+        megatron_missing=QWEN3_5_MEGATRON_MISSING,
         model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
         router=RenormalizedSoftmaxRouter(),
         shape=qwen3_5_moe_shape,
