@@ -116,10 +116,25 @@ def test_set_reaches_the_option_of_a_component_given_by_name() -> None:
 def test_frontier_recipe_says_which_backend_to_install(tmp_path: Path) -> None:
     proc = run_miles("run", "glm-5-grpo", "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 2
-    # The train backend's package is named; the installed sglang backend says what it lacks
-    # for this recipe (fp8 rollouts), before launch.
-    assert "miles-megatron" in proc.stderr, proc.stderr
+    # Both production backends are installed here: the sglang backend says what it lacks for
+    # this recipe (fp8 rollouts), before launch; the megatron backend is found.
+    assert "unknown train_backend" not in proc.stderr, proc.stderr
     assert "rollout_backend 'sglang' cannot (quantized_rollout" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_frontier_recipe_on_megatron_is_refused_with_what_megatron_cannot_do(
+    tmp_path: Path,
+) -> None:
+    # The rollout side made runnable here, so the train backend's own checks speak: GLM-5's
+    # stored config.json (a hub id) has an architecture megatron-core cannot express.
+    proc = run_miles(
+        "run", "glm-5-grpo", "--run-dir", str(tmp_path / "run"),
+        "--set", "rollout.backend=torch", "--set", "precision=bf16",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = " ".join(proc.stderr.split())
+    assert "cannot build model family 'glm_moe_dsa': DeepSeek Sparse Attention" in err, err
     assert not (tmp_path / "run").exists()
 
 

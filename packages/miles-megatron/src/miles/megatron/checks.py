@@ -80,16 +80,15 @@ def _precision_problems(run: RunConfig) -> list[str]:
 
 
 def _model_problems(run: RunConfig, config: MegatronConfig) -> list[str]:
-    """The checkpoint's model against the layout, when its config.json is at hand."""
-    from miles.core.families import family_of_config, read_config
+    """The checkpoint's model against the layout, when its config.json is at hand (a local
+    checkpoint, or a hub id whose family stores its config)."""
+    from miles.core.families import model_config
     from miles.core.family import text_config
 
-    if not run.model.path:
-        return []
-    hf = read_config(run.model.path)
-    if hf is None:
-        return []  # a hub id: the trainer checks when it loads
-    family = family_of_config(hf)
+    known = model_config(run.model.path) if run.model.path else None
+    if known is None:
+        return []  # a hub id no family knows: the trainer checks when it loads
+    hf, family = known
     if family is None or family.megatron is None:
         return [f"model.path: {no_mapping(family, hf.get('model_type'))} ({FSDP})"]
     mapping = family.megatron(hf)
