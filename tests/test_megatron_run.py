@@ -45,7 +45,7 @@ def test_the_moe_quickstart_runs_through_megatron_on_cpu_ranks_and_resumes(tmp_p
     run_dir = tmp_path / "run"
     proc = run_miles(
         "run", "quickstart-moe", "--run-dir", str(run_dir), *SHORT, *SHIMS,
-        "--set", "telemetry.progress=false",
+        "--set", "telemetry.progress=false", "--set", "telemetry.profile_steps=[1]",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     steps = read_jsonl(run_dir / "metrics.jsonl")
@@ -55,6 +55,8 @@ def test_the_moe_quickstart_runs_through_megatron_on_cpu_ranks_and_resumes(tmp_p
         assert m["train/rollout_logprob_abs_diff"] < 1e-4, m
         assert m["moe/replayed_tokens"] > 0 and m["moe/replayed_match"] == 1.0, m
         assert m["train/grad_norm"] > 0, m
+    # The step profile (`telemetry.profile_steps`) through the backend's profiler.
+    assert (run_dir / "profiles" / "train0-step1.txt").is_file(), sorted(run_dir.iterdir())
     checkpoint = run_dir / "checkpoints" / "step_1" / "train"
     assert (checkpoint / "model.safetensors").is_file(), sorted(run_dir.rglob("*"))[:20]
     resumed = run_miles(

@@ -82,3 +82,29 @@ def test_a_family_without_a_mapping_is_refused_with_what_megatron_core_lacks(
     missing = get_plugin_manager().get(Kind.FAMILY, family).spec.factory().megatron_missing
     assert missing, family
     assert any(missing in p and "train.backend: fsdp" in p for p in problems), problems
+
+
+def test_what_the_backend_declares_it_cannot_do_is_refused_by_the_run(tmp_path: Path) -> None:
+    """A critic, LoRA and context parallelism: not among the backend's capabilities, so the
+    run's own validation refuses them before launch, each with its key."""
+    from miles.core.configtools import ConfigError
+    from miles.core.runner import check_config
+
+    data = {
+        "model": {"path": str(tmp_path)},
+        "train": {"backend": "megatron", "world_size": 2, "parallel": {"context": 2}},
+        "algorithm": {"advantage": "gae"},
+        "lora": {"rank": 8},
+    }
+    with pytest.raises(ConfigError) as refused:
+        check_config(data)
+    problems = refused.value.problems
+    for key, capability in (
+        ("train.parallel.context", "context_parallel"),
+        ("algorithm.advantage", "critic"),
+        ("lora", "lora"),
+    ):
+        assert any(
+            p.startswith(f"{key}:") and f"train_backend 'megatron' cannot ({capability}" in p
+            for p in problems
+        ), (key, problems)
