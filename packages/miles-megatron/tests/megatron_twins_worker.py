@@ -4,7 +4,7 @@ one process start-up of torch, megatron-core and transformers for every family).
 
     python megatron_twins_worker.py OUT_DIR FAMILY [FAMILY ...]
 
-Per family, as a run's step does: the engine samples quickstart prompts (recording MoE routes),
+Per family, as a run's step does (with a KL reference kept): the engine samples quickstart prompts (recording MoE routes),
 the trainer's logprobs of those tokens are compared with the engine's, a policy-gradient step
 trains, the weights sync into the engine in place (checksums compared), and the next rollout is
 compared again. On an MoE twin the record is also replayed shifted to other experts, which must
@@ -73,7 +73,9 @@ def _family(name: str, root: Path) -> dict[str, Any]:
     moe = family_named(name).router is not None
     replay = "ids" if moe else "off"
     engine = TorchRolloutEngine(str(model_dir), dtype="float32", record_routing=replay)
-    trainer = make_trainer(str(model_dir), master_port=free_port(), routing_replay=replay, lr=3e-3)
+    trainer = make_trainer(
+        str(model_dir), master_port=free_port(), routing_replay=replay, lr=3e-3, reference=True
+    )
     out: dict[str, Any] = {"family": name, "moe": moe, "diffs": []}
     try:
         for step in range(2):
@@ -92,7 +94,14 @@ def _family(name: str, root: Path) -> dict[str, Any]:
                     out["shifted_diff"] = float(np.abs(moved - result.logprobs)[mask].max())
                 break
             before = {n: t.clone() for n, t in trainer.named_weights()}
+            assert result.ref_logprobs is not None
+            out["ref_equal_at_start"] = float(np.abs(result.ref_logprobs - result.logprobs).max())
             metrics = trainer.train_step(batch, _policy_gradient)
+            # The KL reference stays the initial policy while the policy moves.
+            again = trainer.logprobs(batch)
+            assert again.ref_logprobs is not None
+            out["ref_kept"] = float(np.abs(again.ref_logprobs - result.ref_logprobs).max())
+            out["policy_moved"] = float(np.abs(again.logprobs - result.logprobs)[mask].max())
             out["grad_norm"] = metrics["train/grad_norm"]
             after = dict(trainer.named_weights())
             out["moved"] = any(not torch.equal(before[n], after[n]) for n in before)

@@ -55,6 +55,9 @@ def test_twin_trains_through_megatron_and_syncs_to_the_engine(
     # The trainer's logprobs of the engine's tokens, before and after a step and a sync.
     assert max(r["diffs"]) < 1e-4, r
     assert r["grad_norm"] > 0 and r["moved"], r
+    # The KL reference: the initial policy's logprobs, kept while the policy trains.
+    assert r["ref_equal_at_start"] == 0.0 and r["ref_kept"] == 0.0, r
+    assert r["policy_moved"] > 1e-3, r
     assert r["checksum_equal"] is True, r
     if r["moe"]:
         for step in (0, 1):
