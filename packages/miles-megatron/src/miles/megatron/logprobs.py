@@ -85,8 +85,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             gl, ge = grad_logprobs[c, None], grad_entropy[c, None]
             # d logp[t]/dz = onehot(t) - p;  d entropy/dz = -p * (logp + entropy)
             g = -p * (gl + ge * (logp + entropy[c, None]))
-            rows = torch.nonzero(mine[c]).squeeze(1)
-            g[rows, local_targets[c][rows]] += grad_logprobs[c][rows]
+            # The one-hot term, on this rank's targets only: a masked scatter (no host sync).
+            idx = local_targets[c].clamp(0, real - 1)[:, None]
+            g.scatter_add_(1, idx, (grad_logprobs[c] * mine[c])[:, None].to(g.dtype))
             g = g / temperature
             grad_h[c] += g @ weight[:real].float()
             grad_w[:real] += g.t() @ hidden[c].float()
