@@ -37,7 +37,7 @@ class MegatronConfig:
     # The distributed optimizer (main weights and moments sharded over data parallelism). It
     # needs CUDA: on CPU ranks the plain one runs.
     distributed_optimizer: bool = True
-    # Run megatron-core on CPU ranks through `miles.megatron.testing`'s shims (fp32, gloo). For
+    # Run megatron-core on CPU ranks through `miles.megatron.cpu_shims` (fp32, gloo). For
     # tests and checks of the pipeline only: slow, and nothing a real run should use.
     cpu_test_shims: bool = False
 
