@@ -103,10 +103,16 @@ def _family(name: str, root: Path) -> dict[str, Any]:
             out["ref_kept"] = float(np.abs(again.ref_logprobs - result.ref_logprobs).max())
             out["policy_moved"] = float(np.abs(again.logprobs - result.logprobs)[mask].max())
             out["grad_norm"] = metrics["train/grad_norm"]
-            after = dict(trainer.named_weights())
+            after = {n: t.clone() for n, t in trainer.named_weights()}
             out["moved"] = any(not torch.equal(before[n], after[n]) for n in before)
             sync_in_place(trainer, engine)
             out["checksum_equal"] = engine.weights_checksum() == trainer.weights_checksum("float32")
+            # A checkpoint round trip (buffers such as a router's expert bias included).
+            trainer.save(str(root / f"{name}-ckpt"))
+            trainer.train_step(batch, _policy_gradient)
+            trainer.load(str(root / f"{name}-ckpt"))
+            restored = dict(trainer.named_weights())
+            out["checkpoint_restored"] = all(torch.equal(after[n], restored[n]) for n in after)
     finally:
         trainer.close()
     return out

@@ -59,6 +59,7 @@ def test_twin_trains_through_megatron_and_syncs_to_the_engine(
     assert r["ref_equal_at_start"] == 0.0 and r["ref_kept"] == 0.0, r
     assert r["policy_moved"] > 1e-3, r
     assert r["checksum_equal"] is True, r
+    assert r["checkpoint_restored"] is True, r  # saved, trained on, loaded back
     if r["moe"]:
         for step in (0, 1):
             routing = r[f"routing_{step}"]

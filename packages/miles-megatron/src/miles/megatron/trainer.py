@@ -592,7 +592,14 @@ class MegatronTrainer:
         params = self._local_params()
 
         def local(key: str) -> Callable[[str], torch.Tensor]:
-            return lambda name: state[id(params[name])][key]
+            def get(name: str) -> torch.Tensor:
+                param = params[name]
+                entry = state.get(id(param))
+                if entry is None:  # a buffer (e.g. a router's expert bias): no optimizer state
+                    return param.float() if key == "main" else torch.zeros_like(param.float())
+                return entry[key]
+
+            return get
 
         with ckpt.atomic_directory(path, self.rank) as tmp:
             weights = {n: t.cpu() for n, t in self.gathering.named(local("main"), torch.float32)}
@@ -603,12 +610,14 @@ class MegatronTrainer:
             for name in weights:
                 optim[f"{name}/step"] = torch.tensor(float(self.step))
             if self.rank == 0:
-                on_disk = _on_disk_names(self.model_path, weights)
+                skeleton = _causal_lm_skeleton(self.model_path)
+                on_disk = _on_disk(skeleton, weights)
                 save_file(on_disk, tmp / ckpt.MODEL_FILE, metadata={"format": "pt"})
                 save_file(optim, tmp / ckpt.OPTIMIZER_FILE)
-                for name in ("config.json", "generation_config.json"):
-                    if (Path(self.model_path) / name).is_file():
-                        (tmp / name).write_bytes((Path(self.model_path) / name).read_bytes())
+                skeleton.config.save_pretrained(tmp)  # the trained model's, as fsdp writes it
+                generation = Path(self.model_path) / "generation_config.json"
+                if generation.is_file():
+                    (tmp / generation.name).write_bytes(generation.read_bytes())
                 ckpt.copy_tokenizer_files(self.model_path, tmp)
                 ckpt.write_json(
                     tmp / ckpt.STATE_FILE,
@@ -627,7 +636,7 @@ class MegatronTrainer:
 
     @torch.no_grad()
     def load(self, path: str) -> None:
-        """Restores a `save`d checkpoint (of any layout, or fsdp's): weights, fp32 main weights,
+        """Restores a `save`d checkpoint (of any layout): weights, fp32 main weights,
         Adam's moments and step (so the LR schedule), and (same world size) each rank's RNG."""
         root = Path(path)
         self.weights.weights_changed()
@@ -635,8 +644,9 @@ class MegatronTrainer:
         if state["format"] != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {state['format']}, expected 1")
         self.step = int(state["step"])
-        moments = {key: _SuffixSource(root / ckpt.OPTIMIZER_FILE, key) for key in MOMENTS}
-        self._load_weights(checkpoint_source(str(root), self.mapping), moments)
+        weights = checkpoint_source(str(root), self.mapping)
+        moments = {key: _SuffixSource(root / ckpt.OPTIMIZER_FILE, key, weights) for key in MOMENTS}
+        self._load_weights(weights, moments)
         # The schedule is a function of the step count (this run's config, as with fsdp).
         self.scheduler = self._scheduler()
         if self.step:
@@ -731,27 +741,43 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class _SuffixSource:
-    """One optimizer state of `optimizer.safetensors` ("<name>/<key>") as a weight source."""
+    """One optimizer state of `optimizer.safetensors` ("<name>/<key>") as a weight source; zeros
+    shaped like `weights`' tensor for a name without one (a buffer, which no optimizer steps)."""
 
-    def __init__(self, file: Path, key: str) -> None:
-        self._file, self._key = safe_open(str(file), "pt"), key
+    def __init__(self, file: Path, key: str, weights: WeightSource) -> None:
+        self._file, self._key, self._weights = safe_open(str(file), "pt"), key, weights
+        self._names = set(self._file.keys())
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if f"{name}/{self._key}" not in self._names:
+            return self._weights.shape(name)
         return tuple(self._file.get_slice(f"{name}/{self._key}").get_shape())
 
     def read(self, name: str, index: Any) -> torch.Tensor:
+        if f"{name}/{self._key}" not in self._names:
+            return torch.zeros_like(self._weights.read(name, index), dtype=torch.float32)
         part: torch.Tensor = self._file.get_slice(f"{name}/{self._key}")[index]
         return part
 
 
-def _on_disk_names(model_path: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _causal_lm_skeleton(model_path: str) -> Any:
+    """The Hugging Face causal LM of the checkpoint on the meta device (no weights): for a
+    multimodal wrapper, its language model, the model Miles trains (as fsdp saves it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:  # no causal LM for the wrapper's class: its text model's
+            return AutoModelForCausalLM.from_config(config.get_text_config())
+
+
+def _on_disk(model: Any, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Weights under the names `save_pretrained` writes (transformers' in-memory formats, e.g.
     fused MoE experts, reverted), for a checkpoint that loads like the original."""
-    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
     out: dict[str, torch.Tensor] = revert_weight_conversion(model, weights)
     tied = getattr(model.config, "tie_word_embeddings", False)
     return {n: t.contiguous() for n, t in out.items() if not (tied and n == "lm_head.weight")}
