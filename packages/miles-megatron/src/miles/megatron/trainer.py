@@ -76,7 +76,13 @@ from miles.torch.sync.sender import WeightSender, WeightView
 from miles.torch.train import checkpoint as ckpt
 from miles.torch.train import profiling
 from miles.torch.train.distributed import init_process_group, resolve_device
-from miles.torch.train.microbatch import MicroBatch, shard_micro_batches
+from miles.torch.train.microbatch import (
+    MicroBatch,
+    batch_loss_weights,
+    loss_inputs,
+    per_token,
+    shard_micro_batches,
+)
 
 CHECKPOINT_FORMAT = 1
 BACKEND = "megatron"
@@ -431,9 +437,7 @@ class MegatronTrainer:
         "train/grad_norm" (before clipping) and "train/lr". A non-finite grad norm skips the
         update.
         """
-        weights = batch.loss_weights
-        if weights is None:
-            weights = batch.loss_mask / max(float(batch.loss_mask.sum()), 1.0)
+        weights = batch_loss_weights(batch)
         keys: list[str] = []
 
         def loss_of(mb: MicroBatch, result: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -512,26 +516,10 @@ class MegatronTrainer:
         lp: torch.Tensor,
         entropy: torch.Tensor,
     ) -> LossInputs:
-        def take(array: npt.NDArray[np.float32] | None) -> torch.Tensor | None:
-            return None if array is None else self._per_token(array, mb)
-
-        w = self._per_token(weights, mb)
-        old = take(batch.old_logprobs)
-        return LossInputs(
-            logprobs=lp,
-            old_logprobs=lp.detach() if old is None else old,
-            rollout_logprobs=self._per_token(batch.rollout_logprobs, mb),
-            advantages=self._per_token(batch.advantages, mb),
-            loss_mask=self._per_token(batch.loss_mask, mb),
-            loss_weights=torch.zeros_like(w) if mb.is_padding else w,
-            entropy=entropy,
-            ref_logprobs=take(batch.ref_logprobs),
-            seq_index=mb.seq_index,
-        )
+        return loss_inputs(batch, weights, mb, lp, entropy, self.device)
 
     def _per_token(self, array: npt.NDArray[np.floating[Any]], mb: MicroBatch) -> torch.Tensor:
-        values = np.ascontiguousarray(array[mb.token_index], dtype=np.float32)
-        return torch.from_numpy(values).to(self.device)
+        return per_token(array, mb, self.device)
 
     def _routing_metrics(self) -> dict[str, float]:
         if self.replay is None:

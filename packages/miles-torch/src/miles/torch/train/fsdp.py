@@ -53,7 +53,13 @@ from miles.torch.train.config import FSDPConfig, schedule_problem
 from miles.torch.train.distributed import init_process_group, resolve_device
 from miles.torch.train.layers import compile_layer, decoder_layers, recompute_in_backward
 from miles.torch.train.logprobs import token_logprobs
-from miles.torch.train.microbatch import MicroBatch, shard_micro_batches
+from miles.torch.train.microbatch import (
+    MicroBatch,
+    batch_loss_weights,
+    loss_inputs,
+    per_token,
+    shard_micro_batches,
+)
 from miles.torch.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from miles.torch.train.rms_norm import fuse_rms_norms
 from miles.torch.train.values import load_critic, token_values
@@ -268,9 +274,7 @@ class FSDPTrainer:
         "train/grad_norm" (before clipping) and "train/lr". A non-finite grad norm skips the
         update.
         """
-        weights = batch.loss_weights
-        if weights is None:
-            weights = batch.loss_mask / max(float(batch.loss_mask.sum()), 1.0)
+        weights = batch_loss_weights(batch)
         sums: dict[str, torch.Tensor] = {}  # loss-weighted sums, this rank's share
 
         def add(key: str, value: torch.Tensor, w: torch.Tensor) -> None:
@@ -320,9 +324,7 @@ class FSDPTrainer:
         assert self.critic_optimizer is not None
         if batch.returns is None:
             raise ValueError("train_value_step needs batch.returns")
-        weights = batch.loss_weights
-        if weights is None:
-            weights = batch.loss_mask / max(float(batch.loss_mask.sum()), 1.0)
+        weights = batch_loss_weights(batch)
         sums: dict[str, torch.Tensor] = {}
 
         def add(key: str, value: torch.Tensor, w: torch.Tensor) -> None:
@@ -438,26 +440,10 @@ class FSDPTrainer:
         lp: torch.Tensor,
         entropy: torch.Tensor,
     ) -> LossInputs:
-        def take(array: npt.NDArray[np.float32] | None) -> torch.Tensor | None:
-            return None if array is None else self._per_token(array, mb)
-
-        w = self._per_token(weights, mb)
-        old = take(batch.old_logprobs)
-        return LossInputs(
-            logprobs=lp,
-            old_logprobs=lp.detach() if old is None else old,
-            rollout_logprobs=self._per_token(batch.rollout_logprobs, mb),
-            advantages=self._per_token(batch.advantages, mb),
-            loss_mask=self._per_token(batch.loss_mask, mb),
-            loss_weights=torch.zeros_like(w) if mb.is_padding else w,
-            entropy=entropy,
-            ref_logprobs=take(batch.ref_logprobs),
-            seq_index=mb.seq_index,
-        )
+        return loss_inputs(batch, weights, mb, lp, entropy, self.device)
 
     def _per_token(self, array: npt.NDArray[np.floating[Any]], mb: MicroBatch) -> torch.Tensor:
-        values = np.ascontiguousarray(array[mb.token_index], dtype=np.float32)
-        return torch.from_numpy(values).to(self.device)
+        return per_token(array, mb, self.device)
 
     # -- weights and checkpoints -------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from miles.core.protocols import LossInputs
 from miles.core.types import PackedBatch, split_by_token_budget
 
 
@@ -175,3 +176,49 @@ def shard_micro_batches(
     filler = make_micro_batch(batch, [0], device, is_padding=True, packed=packed)
     out += [filler] * (per_rank - len(mine))
     return out
+
+
+def per_token(
+    array: npt.NDArray[np.floating[Any]], mb: MicroBatch, device: torch.device
+) -> torch.Tensor:
+    """A per-token array of the whole batch, as fp32 in the micro-batch's flat token order."""
+    values = np.ascontiguousarray(array[mb.token_index], dtype=np.float32)
+    return torch.from_numpy(values).to(device)
+
+
+def batch_loss_weights(batch: PackedBatch) -> npt.NDArray[np.float32]:
+    """`batch.loss_weights`, or by default the token mean over `loss_mask`."""
+    if batch.loss_weights is not None:
+        return batch.loss_weights
+    weights: npt.NDArray[np.float32] = batch.loss_mask / max(float(batch.loss_mask.sum()), 1.0)
+    return weights
+
+
+def loss_inputs(
+    batch: PackedBatch,
+    weights: npt.NDArray[np.float32],
+    mb: MicroBatch,
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    device: torch.device,
+) -> LossInputs:
+    """A loss plugin's inputs for one micro-batch (any train backend): the batch's per-token
+    arrays in its order, `old_logprobs` defaulting to the current ones (detached), and zero
+    weights on a padding micro-batch."""
+
+    def take(array: npt.NDArray[np.float32] | None) -> torch.Tensor | None:
+        return None if array is None else per_token(array, mb, device)
+
+    w = per_token(weights, mb, device)
+    old = take(batch.old_logprobs)
+    return LossInputs(
+        logprobs=logprobs,
+        old_logprobs=logprobs.detach() if old is None else old,
+        rollout_logprobs=per_token(batch.rollout_logprobs, mb, device),
+        advantages=per_token(batch.advantages, mb, device),
+        loss_mask=per_token(batch.loss_mask, mb, device),
+        loss_weights=torch.zeros_like(w) if mb.is_padding else w,
+        entropy=entropy,
+        ref_logprobs=take(batch.ref_logprobs),
+        seq_index=mb.seq_index,
+    )
