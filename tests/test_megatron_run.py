@@ -17,6 +17,8 @@ SHORT = ("--set", "steps=2", "--set", "warmstart.steps=2", "--set", "eval.data=n
 SHIMS = ("--set", "train.backend=megatron", "--set", "train.cpu_test_shims=true")
 
 
+# Only a machine without CUDA shows the no-CUDA refusal; on a GPU machine the backend would run
+# (the GPU side is checked by the GPU runs in docs/benchmarks.md).
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA"
 )

@@ -148,6 +148,7 @@ def test_a_tp2_checkpoint_resumes_on_one_rank_exactly(runs: Path) -> None:
     assert not [f for f in files if f.endswith((".pt", ".bin", ".pkl", ".distcp"))], files
 
 
+# GPU-only (bf16 and the distributed optimizer exist on CUDA alone); last run: see docs/testing.md.
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_megatron_on_a_gpu_trains_as_fsdp_does_in_bf16(tmp_path: Path) -> None:
