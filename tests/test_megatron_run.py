@@ -42,6 +42,20 @@ def test_what_the_megatron_backend_cannot_do_is_refused_before_launch(tmp_path: 
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_backend_options_are_checked_when_the_config_is_read(tmp_path: Path) -> None:
+    """bf16 on CPU ranks is refused with the fix (megatron-core's optimizer takes bf16 on CUDA
+    only), and a bare YAML `off` (a boolean in YAML 1.1) is read as the word for `compile`."""
+    proc = run_miles(
+        "run", "quickstart", "--run-dir", str(tmp_path / "run"), *SHIMS,
+        "--set", "train.dtype=bfloat16", "--set", "train.compile=off",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = " ".join(proc.stderr.split())
+    assert "dtype bfloat16 with cpu_test_shims" in err and "train.dtype: float32" in err, err
+    assert "compile" not in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.mark.timeout(900)
 def test_the_moe_quickstart_runs_through_megatron_on_cpu_ranks_and_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

@@ -4,9 +4,13 @@ stay cheap. The parallel sizes are the run's (`train.parallel`); these are the b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("bfloat16", "float32")
+COMPILE = ("auto", "on", "off")
+# A bare YAML on/off (a boolean in YAML 1.1) is read back as the word.
+Switch = Literal["auto", "on", "off"]
 
 
 @dataclass
@@ -31,6 +35,10 @@ class MegatronConfig:
     dtype: str | None = None
     # Recompute each decoder layer in backward (megatron-core's full, uniform recompute).
     activation_checkpointing: bool = False
+    # Each decoder layer's forward through `torch.compile` (Inductor fuses the elementwise work
+    # TransformerEngine's kernels would): "auto" on CUDA for dense models, eager for what Dynamo
+    # cannot trace; "on" everywhere, errors raised; "off" eager.
+    compile: Switch = "off"
     # Routed experts' own tensor-parallel size (megatron-core's expert_tensor_parallel_size);
     # None: the same as train.parallel.tensor.
     expert_tensor_parallel: int | None = None
@@ -44,8 +52,16 @@ class MegatronConfig:
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.compile not in COMPILE:
+            raise ValueError(f"compile must be one of {COMPILE}, got {self.compile!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.cpu_test_shims and self.dtype == "bfloat16":
+            raise ValueError(
+                "dtype bfloat16 with cpu_test_shims: megatron-core's optimizer takes bf16 weights "
+                "on CUDA only, so CPU ranks compute in float32; set train.dtype: float32 (or "
+                "leave it unset)"
+            )
         if self.micro_batch_tokens <= 0:
             raise ValueError(f"micro_batch_tokens must be positive, got {self.micro_batch_tokens}")
         if self.warmup_steps < 0 or self.total_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -88,9 +88,11 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             # The one-hot term, on this rank's targets only: a masked scatter (no host sync).
             idx = local_targets[c].clamp(0, real - 1)[:, None]
             g.scatter_add_(1, idx, (grad_logprobs[c] * mine[c])[:, None].to(g.dtype))
-            g = g / temperature
-            grad_h[c] += g @ weight[:real].float()
-            grad_w[:real] += g.t() @ hidden[c].float()
+            # The matmuls in the weights' dtype (bf16 on GPUs, as fsdp's head), the weight's
+            # gradient summed over chunks in fp32.
+            g = (g / temperature).to(hidden.dtype)
+            grad_h[c] += g @ weight[:real]
+            grad_w[:real] += (g.t() @ hidden[c]).float()
         grad_h = _all_reduce(grad_h, dist.ReduceOp.SUM, ctx.group)
         return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None
 

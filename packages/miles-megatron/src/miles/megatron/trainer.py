@@ -76,6 +76,7 @@ from miles.torch.sync.sender import WeightSender, WeightView
 from miles.torch.train import checkpoint as ckpt
 from miles.torch.train import profiling
 from miles.torch.train.distributed import init_process_group, resolve_device
+from miles.torch.train.layers import compile_layer
 from miles.torch.train.microbatch import (
     MicroBatch,
     batch_loss_weights,
@@ -83,6 +84,7 @@ from miles.torch.train.microbatch import (
     per_token,
     shard_micro_batches,
 )
+from miles.torch.train.rms_norm import fuse_torch_rms_norms
 
 CHECKPOINT_FORMAT = 1
 BACKEND = "megatron"
@@ -192,6 +194,13 @@ class MegatronTrainer:
         )
         module = build_gpt_model(self.mapping, self.layout, config)
         bypass_output_layer(module)
+        if self._compiles(moe):
+            for layer in module.decoder.layers:  # only the forward: names and hooks stay
+                compile_layer(layer, fallback=cfg.compile == "auto")
+        else:
+            # Eager torch RMSNorm is several elementwise kernels each way (65 ms of a W0 step on
+            # an H100, docs/benchmarks.md); on CUDA the norms run Miles' fused kernels instead.
+            fuse_torch_rms_norms(module, self.device)
         distributed = cfg.distributed_optimizer and self.device.type == "cuda"
         ddp = DistributedDataParallel(
             config,
@@ -220,6 +229,13 @@ class MegatronTrainer:
             [ddp],
         )
         return ddp, optimizer
+
+    def _compiles(self, moe: bool) -> bool:
+        """MoE layers stay eager under "auto": their token dispatch syncs with the host and
+        their routers keep replay state, which would break the graph at every layer."""
+        return self.cfg.compile == "on" or (
+            self.cfg.compile == "auto" and self.device.type == "cuda" and not moe
+        )
 
     def _keep_padding_row(self, model_path: str) -> None:
         """transformers' embeddings hold their padding token's row fixed (`padding_idx`: no

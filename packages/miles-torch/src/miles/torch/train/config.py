@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 # fp32 elements of one chunk of the output head's logits (`chunked_head`): about 512 MB each.
@@ -10,6 +11,8 @@ LOGIT_CHUNK_ELEMENTS = 1 << 27
 DTYPES = ("float32", "bfloat16")
 PACKING = ("auto", "on", "off")
 COMPILE = ("auto", "on", "off")
+# A bare YAML on/off (a boolean in YAML 1.1) is read back as the word.
+Switch = Literal["auto", "on", "off"]
 
 
 @dataclass
@@ -42,7 +45,7 @@ class FSDPConfig:
     # Micro-batches as one row of concatenated sequences with variable-length attention, no
     # padding: "auto" where the model family declares it can (`packed_sequences`), "on" to
     # require it, "off" for right-padded blocks with an attention mask.
-    packing: str = "auto"
+    packing: Switch = "auto"
     # The critic's AdamW learning rate (None: `lr`), when the run trains one (PPO with GAE).
     critic_lr: float | None = None
     # Recompute each decoder layer in backward instead of storing its activations.
@@ -53,7 +56,7 @@ class FSDPConfig:
     # a step launches far fewer kernels): "auto" on CUDA for families that declare it
     # (`compile_layers`), eager for what Dynamo cannot trace; "on" everywhere, errors raised;
     # "off" never.
-    compile: str = "auto"
+    compile: Switch = "auto"
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:

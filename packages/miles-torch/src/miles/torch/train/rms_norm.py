@@ -43,6 +43,35 @@ def fuse_rms_norms(
     return count
 
 
+def fuse_torch_rms_norms(model: torch.nn.Module, device: torch.device) -> int:
+    """The same for `torch.nn.RMSNorm` modules (megatron-core's local layer spec builds its norms
+    from them): their forward through the fused kernels, on CUDA with Triton; how many."""
+    if triton is None or device.type != "cuda":
+        return 0
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (
+            isinstance(module, torch.nn.RMSNorm)
+            and module.eps is not None
+            and isinstance(weight, torch.Tensor)
+            and weight.dim() == 1
+            and weight.shape[0] <= _MAX_WIDTH
+        ):
+            module.forward = partial(_fused_torch_forward, module)  # type: ignore[method-assign]
+            count += 1
+    return count
+
+
+def _fused_torch_forward(module: torch.nn.RMSNorm, hidden: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor
+    if not hidden.is_cuda:
+        out = torch.nn.RMSNorm.forward(module, hidden)
+    else:
+        out = _RMSNorm.apply(hidden, module.weight, float(module.eps or 0.0))
+    return out
+
+
 def _fusable(module: torch.nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (
