@@ -13,8 +13,10 @@ steps both score greedy answers on the same held-out problems.
 
 Writes a Markdown table of (seconds, accuracy) for both, and a plot beside it (.png). Each side
 can run in its own call (`--skip-miles`, `--skip-trl`): the points of a skipped side are read
-from `--points`, so two calls on one machine give one report. `--trl-weights float32` runs TRL
-with fp32 weights under bf16 autocast (a third line; the default is the model loaded in bf16).
+from `--points`, so two calls on one machine give one report. TRL's model keeps fp32 weights
+under bf16 autocast by default, as Miles' trainer does (`--trl-weights float32`, the fair
+baseline); `--trl-weights bfloat16` loads it in bf16, where most of AdamW's updates round away
+(docs/benchmarks.md), drawn as a line of its own.
 """
 
 from __future__ import annotations
@@ -297,8 +299,9 @@ def main() -> None:
     parser.add_argument(
         "--trl-weights",
         choices=["bfloat16", "float32"],
-        default="bfloat16",
-        help="TRL's model dtype on a GPU (bf16 training runs under autocast either way)",
+        default="float32",
+        help="TRL's model dtype on a GPU (bf16 training runs under autocast either way); "
+        "float32 is the fair baseline, as Miles' trainer keeps fp32 weights",
     )
     parser.add_argument(
         "--points",

@@ -249,6 +249,53 @@ def test_checkpoint_resumes_exactly_without_pickle(model_path, make_trainer, tmp
     assert not list(tmp_path.glob("ckpt.*"))  # no temp or old directories left behind
 
 
+def test_optimizer_offload_takes_adamws_steps_and_resumes(
+    model_path, make_trainer, tmp_path, monkeypatch
+):
+    """`optimizer_offload` streams AdamW a chunk at a time (here 1,000 parameters, so the tiny
+    model takes many chunks): the same steps as plain AdamW, and a checkpoint that resumes."""
+    from miles.torch.train import config as train_config
+    from miles.torch.train.host_adamw import HostAdamW
+
+    monkeypatch.setattr(train_config, "OPTIMIZER_CHUNK_PARAMS", 1000)
+    batch = make_batch(SHAPES)
+    cfg = dict(lr=1e-3, micro_batch_tokens=16)
+    plain, offloaded = (
+        make_trainer(model_path, **cfg),
+        make_trainer(model_path, optimizer_offload=True, **cfg),
+    )
+    assert isinstance(offloaded.optimizer, HostAdamW)
+    assert len(list(offloaded.optimizer._chunks())) > 3
+    for _ in range(2):
+        assert offloaded.train_step(batch, ppo_clip) == plain.train_step(batch, ppo_clip)
+    assert max_diff(weights(offloaded), weights(plain)) == 0.0
+    offloaded.save(str(tmp_path / "ckpt"))
+    third = offloaded.train_step(batch, ppo_clip)
+    resumed = make_trainer(model_path, optimizer_offload=True, **cfg)
+    resumed.load(str(tmp_path / "ckpt"))
+    assert resumed.train_step(batch, ppo_clip) == third
+
+
+def test_a_lora_base_is_held_in_bf16_and_computes_the_same(model_path, make_trainer):
+    """Under bf16 compute a LoRA trainer keeps its frozen base in bf16 (no fp32 master: half the
+    memory) and fp32 adapters; FSDP computed in the base's bf16 before, so the logprobs equal a
+    full-parameter bf16 trainer's exactly while B = 0, and a step moves the adapters only."""
+    from miles.core.config import LoRAConfig
+    from miles.precision.dtype import bf16
+
+    batch = make_batch(SHAPES)
+    common = dict(lr=1e-2, micro_batch_tokens=16, dtype="bfloat16", precision=bf16())
+    full = make_trainer(model_path, **common)
+    lora = make_trainer(model_path, lora=LoRAConfig(rank=4), **common)
+    dtypes = {(".lora_" in n, p.dtype) for n, p in lora.model.named_parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}, dtypes
+    np.testing.assert_array_equal(lora.logprobs(batch).logprobs, full.logprobs(batch).logprobs)
+    before = {n: p.detach().clone() for n, p in lora.model.named_parameters()}
+    lora.train_step(batch, ppo_clip)
+    moved = {n for n, p in lora.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(".lora_" in n for n in moved), moved
+
+
 @pytest.mark.parametrize("arch,tied", [("qwen3", True), ("qwen3_moe", False)])
 def test_checkpoint_keeps_the_hf_on_disk_format(arch, tied, make_trainer, tmp_path):
     """Tied embeddings are stored once; fused MoE experts go back to per-expert tensors."""

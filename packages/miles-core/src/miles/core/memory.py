@@ -219,15 +219,18 @@ def sharded_data_parallel(
     reference_copy: bool,
     advice: Mapping[str, str] | None = None,
     logit_chunk_tokens: int | None = None,
+    frozen_bytes: float = 4,
 ) -> TrainBytes:
     """FSDP / ZeRO-3: fp32 master weights, fp32 gradients and AdamW's two fp32 moments sharded
     over every train rank; the layer being computed is gathered whole (in the compute dtype).
-    `reference_copy`: a frozen fp32 copy of the initial weights, sharded the same way."""
+    `reference_copy`: a frozen fp32 copy of the initial weights, sharded the same way.
+    `frozen_bytes`: bytes a parameter of a frozen LoRA base is kept in."""
     params, shape = inputs.shape.params, inputs.shape
     shards = inputs.layout.train_gpus
     trainable = 0 if inputs.lora else params.language_model
     biggest_layer = (params.layers + params.experts) / max(shape.num_layers, 1)
-    weights = 4 * params.language_model / shards + inputs.compute_bytes * biggest_layer
+    stored = frozen_bytes if inputs.lora else 4
+    weights = stored * params.language_model / shards + inputs.compute_bytes * biggest_layer
     if reference_copy:
         weights += 4 * params.language_model / shards
     return TrainBytes(

@@ -404,7 +404,7 @@ def qwen3() -> ModelFamily:
         rms_norms=("Qwen3RMSNorm",),
         compile_layers=True,
         summary="Qwen3 dense: GQA with q/k RMSNorm, SwiGLU MLP",
-        checkpoints=("Qwen/Qwen3-0.6B",),
+        checkpoints=("Qwen/Qwen3-0.6B", "Qwen/Qwen3-4B", "Qwen/Qwen3-8B"),
         megatron=qwen3_megatron,
     )
 

@@ -117,6 +117,8 @@ def gather_optimizer(
     out: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         for key, value in optimizer.state.get(param, {}).items():
+            if key != "step" and isinstance(value, torch.Tensor):
+                value = value.to(param.device)  # moments that rest on the host (HostAdamW)
             gathered = full_tensor(value)
             if rank == 0:
                 out[f"{name}/{key}"] = gathered.cpu().contiguous()

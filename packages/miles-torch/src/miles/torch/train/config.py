@@ -8,6 +8,9 @@ from typing import Literal
 LR_SCHEDULES = ("constant", "linear", "cosine")
 # fp32 elements of one chunk of the output head's logits (`chunked_head`): about 512 MB each.
 LOGIT_CHUNK_ELEMENTS = 1 << 27
+# Parameters per chunk that `train.optimizer_offload` streams through the GPU: 256 Mi
+# parameters' moments are 2 GiB at a time.
+OPTIMIZER_CHUNK_PARAMS = 256 * 1024 * 1024
 DTYPES = ("float32", "bfloat16")
 PACKING = ("auto", "on", "off")
 COMPILE = ("auto", "on", "off")
@@ -52,6 +55,11 @@ class FSDPConfig:
     activation_checkpointing: bool = False
     # Free each layer's gathered weights after its forward (less memory, one more all-gather).
     reshard_after_forward: bool = True
+    # AdamW's two moments in pinned host memory, streamed through the GPU a chunk at a time
+    # at each step (`host_adamw`): 8 bytes a trained parameter off the GPU, for twice their size
+    # over the host link a step. For a model whose fp32 weights, gradients and moments do not
+    # fit (an 8B model on one H200); `miles recipes plan` says when it is needed.
+    optimizer_offload: bool = False
     # Each decoder layer's forward through `torch.compile` (Inductor fuses its elementwise work;
     # a step launches far fewer kernels): "auto" on CUDA for families that declare it
     # (`compile_layers`), eager for what Dynamo cannot trace; "on" everywhere, errors raised;

@@ -51,6 +51,7 @@ from miles.torch.train import packed_attention, profiling
 from miles.torch.train.checks import family_of_checkpoint, packs_sequences
 from miles.torch.train.config import FSDPConfig, schedule_problem
 from miles.torch.train.distributed import init_process_group, resolve_device
+from miles.torch.train.host_adamw import HostAdamW
 from miles.torch.train.layers import compile_layer, decoder_layers, recompute_in_backward
 from miles.torch.train.logprobs import token_logprobs
 from miles.torch.train.microbatch import (
@@ -141,6 +142,12 @@ class FSDPTrainer:
             fuse_rms_norms(model, self._rms_norms, self.device)
         if trainable and not critic and self.lora is not None:
             apply_lora(model, self.lora)  # base frozen; adapters train
+            if self.cfg.dtype == "bfloat16":
+                # Nothing updates the frozen base, so it needs no fp32 master: held in bf16 it
+                # computes the same numbers (FSDP casts it to bf16 anyway) at half the memory.
+                for p in model.parameters():
+                    if not p.requires_grad and p.dtype == torch.float32:
+                        p.data = p.data.to(torch.bfloat16)
         layers = decoder_layers(model)
         ids = {id(layer) for layer in layers}
         prefixes = [f"{n}." for n, m in model.named_modules() if id(m) in ids]
@@ -611,6 +618,9 @@ class FSDPTrainer:
                 tensor.copy_(ckpt.shard_like(full[name], tensor))
             del source, full
             ckpt.load_optimizer(model, optimizer, root / sub / ckpt.OPTIMIZER_FILE)
+        for _, optimizer, _, _ in self._trained():
+            if isinstance(optimizer, HostAdamW):
+                optimizer.to_host()  # loaded onto the device, they rest on the host
         self.step = int(state["step"])
         self.critic_step = int(state.get("critic_step", 0))
         rng_path = root / ckpt.rng_file(self.rank)
@@ -639,6 +649,8 @@ class FSDPTrainer:
         for model in self._models():
             model.to(device)
         for _, optimizer, _, _ in self._trained():
+            if isinstance(optimizer, HostAdamW):
+                continue  # its moments rest on the host already
             for state in optimizer.state.values():
                 for key, value in state.items():
                     if key != "step" and isinstance(value, torch.Tensor):

@@ -9,13 +9,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from miles.torch.train.config import FSDPConfig
+from miles.torch.train.host_adamw import HostAdamW
 
 
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], cfg: FSDPConfig, lr: float | None = None
 ) -> torch.optim.AdamW:
-    """AdamW with the config's hyper-parameters; `lr` (default `cfg.lr`) is the peak LR."""
-    return torch.optim.AdamW(
+    """AdamW with the config's hyper-parameters; `lr` (default `cfg.lr`) is the peak LR. With
+    `optimizer_offload`, its moments rest in host memory between steps (`HostAdamW`)."""
+    kind = HostAdamW if cfg.optimizer_offload else torch.optim.AdamW
+    return kind(
         params,
         lr=cfg.lr if lr is None else lr,
         betas=cfg.betas,
