@@ -5,11 +5,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
+import re
+import time
 
 import pytest
 
 from miles.core.types import Sample
-from miles.rewards.code import Code, CodeConfig, SandboxConfig, extract_code, parse_tests
+from miles.rewards.code import (
+    Code,
+    CodeConfig,
+    SandboxConfig,
+    extract_code,
+    fenced_blocks,
+    parse_tests,
+)
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 IO_TESTS = [
@@ -99,3 +109,74 @@ def test_sandbox_allow_weak_reaches_the_sandbox() -> None:
     assert asyncio.run(sandbox_of(CodeConfig())).allow_weak is False  # refuses weak isolation
     weak = CodeConfig(sandbox=SandboxConfig(allow_weak=True))
     assert asyncio.run(sandbox_of(weak)).allow_weak is True
+
+
+ALWAYS_EQUAL = """
+class Yes:
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+    def __bool__(self):
+        return True
+
+def add(a, b):
+    return Yes()
+"""
+
+
+def test_a_returned_object_cannot_vote_for_itself() -> None:
+    """The audit's exploit: an object whose __eq__ is always true passed every assert (1.0).
+    Operands now come out as plain values, judged outside the program."""
+    literal = "assert add(1, 2) == 3\nassert add(2, 2) == 4\n"
+    assert score(ALWAYS_EQUAL, literal) == 0.0
+    expected_in_setup = "want = [3, 4]\nassert [add(1, 2), add(2, 2)] == want\n"
+    assert score(ALWAYS_EQUAL, expected_in_setup) == 0.0
+    assert score(ALWAYS_EQUAL, "assert add(1, 2)\n") == 0.0  # truthy, but not plain data
+    int_subclass = "class I(int):\n    def __eq__(self, o):\n        return True\n"
+    assert score(int_subclass + "def add(a, b):\n    return I(0)\n", literal) == 0.0
+    honest = "def add(a, b):\n    return a + b\n"
+    assert score(honest, literal) == 1.0
+    assert score(honest, expected_in_setup) == 1.0
+    assert score(honest, "assert add(1, 1) == 2 and add(0, 0) == 0\nassert add(1, 2) > 2\n") == 1.0
+
+
+def test_plain_values_compare_as_python_does() -> None:
+    program = (
+        "import math\n"
+        "def f():\n"
+        "    return {'a': [1, 2.5, (None, True)], 'b': {1, 2}, 'c': b'x', 'n': math.nan}\n"
+    )
+    want = "{'a': [1, 2.5, (None, True)], 'b': {2, 1}, 'c': b'x', 'n': float('nan')}"
+    assert score(program, f"import math\nassert f() == {want}\n") == 1.0
+    assert score(program, "assert f()['a'] == [1, 2.5, [None, True]]\n") == 0.0  # tuple != list
+    assert score("def g():\n    return 2\n", "assert g() == 2.0\n") == 1.0  # 2 == 2.0
+
+
+def test_a_literal_expected_value_is_not_shown_to_the_program() -> None:
+    """The program can read its own source; a literal right-hand side is compared outside and
+    is not in it (the old harness put the whole assert there, and this program passed)."""
+    leak = (
+        "import re\n"
+        "def answer():\n"
+        "    found = re.findall(r'98765[0-9]', open(__file__).read())\n"
+        "    return int(found[-1]) if found else 0\n"
+    )
+    assert score(leak, "assert answer() == 987654\n") == 0.0
+
+
+_OLD_FENCE = re.compile(r"```([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def test_fences_are_parsed_as_before_in_linear_time() -> None:
+    """Same blocks as the old regex on random fence soup; and the audit's inputs, which took
+    the regex 0.55 s (32k fences) and 10.7 s (128k characters), parse in a small fraction."""
+    rng = random.Random(0)
+    pieces = ["```", "`", "\n", "python", "py", " ", "a", "x=1", "-", "``"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        assert fenced_blocks(text) == _OLD_FENCE.findall(text), repr(text)
+    for text in ("```a" * 32000, "```a" * 128000, "```a\n" * 32000):
+        start = time.perf_counter()
+        extract_code(text)
+        assert time.perf_counter() - start < 2.0

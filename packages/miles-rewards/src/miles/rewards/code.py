@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from miles.core.types import Sample
+from miles.rewards import plain_values
 from miles.rewards.sandbox import Sandbox, SandboxLimits
 
-_FENCE = re.compile(r"```([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_FENCE_TAG = re.compile(r"[A-Za-z0-9_+.-]*")
 _PYTHON_TAGS = {"python", "py", "python3"}
 
 
@@ -57,11 +58,32 @@ def extract_code(response: str, mode: str = "last_block") -> str:
         return response
     if mode != "last_block":
         raise ValueError(f"code: unknown extract mode {mode!r}; use 'last_block' or 'full'")
-    blocks = [(tag.lower(), body) for tag, body in _FENCE.findall(response)]
+    blocks = [(tag.lower(), body) for tag, body in fenced_blocks(response)]
     python = [body for tag, body in blocks if tag in _PYTHON_TAGS]
     if python:
         return str(python[-1])
     return str(blocks[-1][1]) if blocks else response
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """Every fenced block as (tag, body), in one pass over `text` (linear in its length, whatever
+    it holds: a regex with a lazy body took seconds on many unclosed fences). A fence is ``` then
+    the rest of its line, whose leading [A-Za-z0-9_+.-] characters are the tag; the body runs to
+    the next ``` or to the end of the text."""
+    blocks: list[tuple[str, str]] = []
+    pos = 0
+    while (start := text.find("```", pos)) >= 0:
+        line_end = text.find("\n", start + 3)
+        if line_end < 0:
+            break  # no line after this fence, nor after any later one
+        tag = _FENCE_TAG.match(text, start + 3, line_end)
+        close = text.find("```", line_end + 1)
+        end = len(text) if close < 0 else close
+        blocks.append((tag.group() if tag else "", text[line_end + 1 : end]))
+        if close < 0:
+            break
+        pos = close + 3
+    return blocks
 
 
 def _normalize(text: str) -> str:
@@ -76,8 +98,14 @@ class _IOCase:
 
 @dataclass(frozen=True)
 class _AssertCase:
+    """One `assert` of a test string. The program's process only computes the operands (see
+    `plain_values`); the verdict is reached here: `assert L == R` compares L's value with R's
+    (R a literal: never shown to the program), any other `assert T` takes T's value's truth."""
+
     setup: str  # the test string's non-assert statements
-    check: str  # one assert statement
+    check: str  # the assert statement, as written
+    operands: tuple[str, ...] = ()  # (L, R) of an ==, else (T,); () if it does not parse
+    expected: tuple[Any, ...] = ()  # (R's value,) when R is a literal
 
 
 def parse_tests(tests: Any) -> list[_IOCase] | list[_AssertCase]:
@@ -109,15 +137,27 @@ def _assert_cases(source: str) -> list[_AssertCase]:
         module = ast.parse(source)
     except SyntaxError:
         return [_AssertCase("", source)]  # one case; it fails to compile like the program would
-    checks = [
-        ast.get_source_segment(source, s) or "" for s in module.body if isinstance(s, ast.Assert)
-    ]
     setup = "\n".join(
         ast.get_source_segment(source, s) or ""
         for s in module.body
         if not isinstance(s, ast.Assert)
     )
-    return [_AssertCase(setup, check) for check in checks] or [_AssertCase("", source)]
+    cases = [_assert_case(source, setup, s) for s in module.body if isinstance(s, ast.Assert)]
+    return cases or [_AssertCase("", source)]
+
+
+def _assert_case(source: str, setup: str, statement: ast.Assert) -> _AssertCase:
+    def text(node: ast.AST) -> str:
+        return ast.get_source_segment(source, node) or ""
+
+    check, test = text(statement), statement.test
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+        left, right = text(test.left), text(test.comparators[0])
+        try:
+            return _AssertCase(setup, check, (left,), (ast.literal_eval(right),))
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return _AssertCase(setup, check, (left, right))
+    return _AssertCase(setup, check, (text(test),))
 
 
 class Code:
@@ -158,7 +198,8 @@ class Code:
         cases = parse_tests(sample.metadata[self.config.test_key])
         if not cases:
             raise ValueError("code: the row has no test cases")
-        program = extract_code(response, self.config.extract)
+        # Off the event loop: the parse is linear, but a completion can be long.
+        program = await asyncio.to_thread(extract_code, response, self.config.extract)
         passed = await asyncio.gather(*(self._passes(program, case) for case in cases))
         return sum(passed) / len(cases)
 
@@ -167,9 +208,27 @@ class Code:
         if isinstance(case, _IOCase):
             result = await sandbox.run(program, stdin=case.stdin, limits=self.limits)
             return result.ok and _normalize(result.stdout) == _normalize(case.expected)
-        # The marker, printed after the assert, tells "passed" from "the program exited early"
-        # (a `sys.exit(0)` before the tests would otherwise pass every case).
-        marker = f"miles-code-passed-{secrets.token_hex(8)}"
-        source = f"{program}\n\n{case.setup}\n{case.check}\nprint({marker!r})\n"
+        # The operands' values come back after a marker (a program that exits early prints
+        # none), through a serializer defined before the program runs, under a name of this
+        # run; they are judged here, never by the program's own objects.
+        token = secrets.token_hex(8)
+        marker, dump = f"miles-code-value-{token}:", f"_miles_dump_{token}"
+        prints = "".join(
+            f"print({marker!r} + {dump}((\n{operand}\n)), flush=True)\n"
+            for operand in case.operands
+        )
+        source = f"{plain_values.dump_source(dump)}\n{program}\n\n{case.setup}\n{prints}"
         result = await sandbox.run(source, limits=self.limits)
-        return result.ok and result.stdout.rstrip().endswith(marker)
+        if not result.ok or not case.operands:
+            return False
+        lines = [line.split(marker, 1)[1] for line in result.stdout.splitlines() if marker in line]
+        if len(lines) < len(case.operands):
+            return False
+        try:
+            values = [plain_values.load(line) for line in lines[-len(case.operands) :]]
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return False
+        if len(case.operands) == 1 and not case.expected:
+            return bool(values[0])  # `assert T`: the truth of T's plain value
+        expected = case.expected[0] if case.expected else values[1]
+        return plain_values.same(values[0], expected)
