@@ -71,6 +71,9 @@ class DataConfig:
     shuffle: bool = True
     chat_template: bool = True  # wrap each prompt with the tokenizer's chat template
     system_prompt: str | None = None
+    # A prompt longer than the model's context: refused before launch with its file and line
+    # (false), or dropped, and the count shown at launch and in the final summary (true).
+    drop_long_prompts: bool = False
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import threading
 from pathlib import Path
@@ -45,6 +46,17 @@ class _EventsFile:
             self._file.write(line + "\n")
             self._file.flush()
         return event_dict
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _without_ansi(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """Terminal colour codes (Ray colours its tracebacks) out of every text value."""
+    for key, value in event_dict.items():
+        if isinstance(value, str) and "\x1b" in value:
+            event_dict[key] = _ANSI.sub("", value)
+    return event_dict
 
 
 def _without_traceback(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
@@ -86,6 +98,7 @@ def configure_logging(
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _add_trace_context,
         structlog.processors.format_exc_info,
+        _without_ansi,
     ]
     if events_path is not None:
         processors.append(_EventsFile(events_path))

@@ -19,6 +19,7 @@ import yaml
 
 from miles.core.components import ComponentConflictError, ComponentNotFoundError, Kind
 from miles.core.config import ConfigError, RunConfig, apply_overrides, load_yaml, parse_partial
+from miles.core.data_check import Encode, check_run_data
 from miles.core.families import notices_for
 from miles.core.gpu_memory import local_gpu_memory_gb
 from miles.core.logsetup import configure_logging
@@ -30,6 +31,8 @@ from miles.core.recipe import Recipe
 from miles.core.rundir import default_run_dir, write_config, write_manifest
 from miles.core.runtime.controller import Controller
 from miles.core.runtime.process import dump_stacks_on_sigusr1
+from miles.core.runtime.prompts import PromptEncoder
+from miles.core.runtime.rollout_manager import load_tokenizer
 from miles.core.validation import validate
 
 log = structlog.get_logger(__name__)
@@ -91,6 +94,7 @@ def resolve_config(request: RunRequest) -> tuple[RunConfig, Path, Recipe | None]
         if converted is not data:
             config = check_config(converted, hints)
         check_memory(config)
+        check_data(config)
         return config, run_dir, recipe
     created = not run_dir.exists()
     try:
@@ -102,6 +106,7 @@ def resolve_config(request: RunRequest) -> tuple[RunConfig, Path, Recipe | None]
         data = with_local_model(apply_overrides(data, request.overrides))
         config = check_config(data, hints)
         check_memory(config)
+        check_data(config)
     except BaseException:
         if created:  # a refused run leaves nothing behind
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -182,6 +187,37 @@ def check_memory(config: RunConfig) -> None:
     )
 
 
+def check_data(config: RunConfig) -> None:
+    """Every bad row of the run's JSONL files, before anything starts (`data_check`); logs the
+    rows `data.drop_long_prompts` will drop."""
+    encoder: PromptEncoder | None = None
+
+    def encode_for(key: str) -> Encode:
+        def encode(rows: list[dict[str, Any]]) -> list[list[int]]:
+            nonlocal encoder
+            if encoder is None:  # only where a prompt may be too long
+                try:
+                    encoder = PromptEncoder(load_tokenizer(config.model.path), config.data)
+                except Exception as exc:
+                    raise ConfigError(
+                        [
+                            f"data: a prompt needs tokenizing to check that it fits the model's "
+                            f"context, and the tokenizer of {config.model.path!r} does not "
+                            f"load: {exc}"
+                        ]
+                    ) from None
+            return encoder.encode(rows, key)
+
+        return encode
+
+    for path, count in check_run_data(config, encode_for).items():
+        log.warning(
+            "data.drop_long_prompts: rows dropped (prompts longer than the model's context)",
+            file=path,
+            rows=count,
+        )
+
+
 def _yaml_scalar(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...")
 
@@ -227,8 +263,9 @@ def run_from_cli(request: RunRequest) -> int:
         # The error is reported here, once: results the failed run left unread would each print
         # theirs again (Ray's "Unhandled error") as they are dropped.
         os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
-        log.error("run failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         cause = getattr(exc, "cause", None) or exc  # a worker's own exception, not Ray's wrapper
+        # One line for the console; Ray's wrapper and its traceback go to events.jsonl only.
+        log.error("run failed", error=f"{type(cause).__name__}: {cause}", exc_info=exc)
         click.secho(f"error: the run failed: {type(cause).__name__}: {cause}", fg="red", err=True)
         click.secho(f"details: {run_dir / 'events.jsonl'}", err=True)
         return 1
@@ -238,7 +275,7 @@ def run_from_cli(request: RunRequest) -> int:
     summary = {
         k: round(v, 4)
         for k, v in result.final_metrics.items()
-        if k.startswith(("eval/", "rollout/reward_mean", "weights/version"))
+        if k.startswith(("eval/", "rollout/reward_mean", "weights/version", "data/"))
     }
     click.echo(f"run finished: {run_dir}", err=True)
     for key, value in sorted(summary.items()):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,6 +21,7 @@ import structlog
 from miles.core.components import Capability, Kind
 from miles.core.config import RunConfig
 from miles.core.data import PromptSource, read_rows
+from miles.core.data_check import model_context, too_long
 from miles.core.factory import build_component
 from miles.core.plugins import get_plugin_manager
 from miles.core.protocols import OversamplingFilter, PromptGroup, Tokenizer
@@ -44,12 +46,13 @@ class RolloutManager:
         r = config.rollout
         tokenizer = load_tokenizer(config.model.path)
         self.prompts = PromptEncoder(tokenizer, config.data)
-        self.source = PromptSource(
-            read_rows(config.data.path, config.data.split),
-            seed=config.seed,
-            shuffle=config.data.shuffle,
-        )
-        self.eval_rows = read_rows(config.eval.data, config.eval.split) if config.eval.data else []
+        rows = read_rows(config.data.path, config.data.split)
+        eval_rows = read_rows(config.eval.data, config.eval.split) if config.eval.data else []
+        self.dropped_long_prompts = 0
+        if config.data.drop_long_prompts:  # the rows the pre-launch check counted
+            rows, eval_rows = self._fitting(rows), self._fitting(eval_rows)
+        self.source = PromptSource(rows, seed=config.seed, shuffle=config.data.shuffle)
+        self.eval_rows = eval_rows
         self._sft_source: PromptSource | None = None
         self.ledger = SampleLedger(Path(run_dir) / "samples.jsonl" if run_dir else None)
         self.dispatcher = EngineDispatcher(
@@ -146,6 +149,8 @@ class RolloutManager:
     ) -> dict[str, float]:
         metrics = rollout_metrics(batch, kept, self.config.rollout.samples_per_prompt)
         metrics["rollout/epoch"] = float(self.source.state.epoch)
+        if self.config.data.drop_long_prompts:
+            metrics["data/dropped_long_prompts"] = float(self.dropped_long_prompts)
         now, dispatcher = time.perf_counter(), self.dispatcher
         busy = dispatcher.busy_s - self._busy_at_take
         wall = max(now - self._since, 1e-9)
@@ -241,6 +246,17 @@ class RolloutManager:
     def flush(self) -> None:
         """Sends this process's buffered spans on."""
         flush_traces()
+
+    def _fitting(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`rows` without those whose prompt is longer than the model's context."""
+        context = model_context(self.config)
+        if context is None or not rows:
+            return rows
+        key = self.config.data.prompt_key
+        extra = len((self.config.data.system_prompt or "").encode("utf-8"))
+        long = too_long(rows, key, partial(self.prompts.encode, key=key), context, extra)
+        self.dropped_long_prompts += len(long)
+        return [row for i, row in enumerate(rows) if i not in long]
 
 
 def load_tokenizer(model_path: str) -> Tokenizer:
