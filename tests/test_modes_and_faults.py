@@ -366,9 +366,11 @@ def test_past_the_restart_cap_the_run_fails_clearly(
 
 
 @contextlib.contextmanager
-def _background_run(cfg: Path, run_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+def _background_run(
+    cfg: Path, run_dir: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """`miles run` in the background; killed with everything it started (Ray included) on exit."""
-    env = {**os.environ, "CI": "1", "PYTHONPATH": str(TEST_MODULES)}
+    env = {**os.environ, "CI": "1", "PYTHONPATH": str(TEST_MODULES), **(env or {})}
     proc = subprocess.Popen(
         [*MILES, "run", str(cfg), "--run-dir", str(run_dir)],
         env=env,
@@ -435,8 +437,18 @@ def test_resume_skips_a_corrupt_checkpoint(tmp_path: Path, whole_sync: Path) -> 
     steps = WHOLE_STEPS + 1
     proc = run_miles("run", "--resume", "--run-dir", str(run_dir), "--set", f"steps={steps}")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    events = (run_dir / "events.jsonl").read_text()
-    assert "checkpoint is corrupt or partial; using an older one" in events
+    # Said where a person looks: the final summary, and the report's faults table.
+    skipped = f"step_{WHOLE_STEPS - 1}"
+    assert (
+        f"resumed from step_{WHOLE_STEPS - 2}, skipping {skipped} (sha256 mismatch in "
+        "train/model.safetensors): 1 step trained again" in proc.stderr
+    ), proc.stderr[-3000:]
+    [event] = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("fault")]
+    assert event["fault"] == "checkpoint_skipped" and event["steps_lost"] == 1
+    report = run_miles("report", str(run_dir))
+    assert report.returncode == 0, report.stderr[-3000:]
+    page = (run_dir / "report" / "index.html").read_text()
+    assert f"checkpoint {skipped} skipped (sha256 mismatch" in page
     # Resumed from step_3: step 4 is done again, then step 5.
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(steps))
 
@@ -444,7 +456,8 @@ def test_resume_skips_a_corrupt_checkpoint(tmp_path: Path, whole_sync: Path) -> 
 def test_local_ray_refuses_clients_without_the_token(
     tmp_path: Path, tiny_assets: dict[str, str]
 ) -> None:
-    """The Ray that `miles run` starts has token authentication on."""
+    """The Ray that `miles run` starts has token authentication on, its token file (made by the
+    run) is readable by its user only, and RAY_AUTH_MODE=disabled cannot turn it off."""
     cfg = write_config(
         tmp_path / "cfg.yaml",
         tiny_assets,
@@ -452,7 +465,15 @@ def test_local_ray_refuses_clients_without_the_token(
         rollout={"backend": "chaos_torch", "step_delay_s": 0.5},  # a slow run to talk to
     )
     run_dir = tmp_path / "run"
-    with _background_run(cfg, run_dir) as proc:
+    token = tmp_path / "ray" / "auth_token"  # not there yet: the run makes it
+    refused = run_miles(
+        "run", str(cfg), "--run-dir", str(tmp_path / "open"),
+        env={"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN_PATH": str(token)},
+    )  # fmt: skip
+    assert refused.returncode == 2 and "RAY_AUTH_MODE=disabled" in refused.stderr
+    assert not token.exists() and not (tmp_path / "open").exists()
+    env = {"RAY_AUTH_TOKEN_PATH": str(token)}
+    with _background_run(cfg, run_dir, env) as proc:
         deadline = time.monotonic() + 120
         started: list[dict[str, Any]] = []
         while not started:
@@ -462,19 +483,25 @@ def test_local_ray_refuses_clients_without_the_token(
                 events = read_jsonl(run_dir / "events.jsonl")
                 started = [e for e in events if e["event"] == "local Ray started"]
         assert started[0]["auth"] == "token"
+        assert token.stat().st_mode & 0o777 == 0o600
         connect = f"import ray; ray.init(address={started[0]['address']!r}); print('connected')"
         plain_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
 
-        def client(home: str) -> subprocess.CompletedProcess[str]:
+        def client(home: str, *path: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
                 [sys.executable, "-c", connect],
-                env={**plain_env, "HOME": home, "RAY_AUTH_MODE": "token"},
+                env={
+                    **plain_env,
+                    "HOME": home,
+                    "RAY_AUTH_MODE": "token",
+                    **({"RAY_AUTH_TOKEN_PATH": path[0]} if path else {}),
+                },
                 capture_output=True,
                 text=True,
                 timeout=120,
             )
 
-        with_token = client(os.environ.get("HOME", "/root"))  # the token Ray generated is here
+        with_token = client(os.environ.get("HOME", "/root"), str(token))
         assert "connected" in with_token.stdout, with_token.stderr[-2000:]
         stranger = tmp_path / "stranger"  # no ~/.ray/auth_token
         stranger.mkdir()

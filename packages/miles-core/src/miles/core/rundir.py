@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import metadata as md
 from pathlib import Path
 from typing import Any
@@ -185,19 +186,38 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return [(step, p) for step, p in _step_dirs(run_dir) if (p / "state.json").exists()]
 
 
-def latest_valid_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    """The newest checkpoint that passes `verify_checkpoint`; each newer one that does not is
-    logged as a warning and skipped. None when no checkpoint verifies."""
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A checkpoint newer than the one a run resumes from, which did not verify."""
+
+    step: int
+    path: Path
+    problem: str
+
+
+def scan_checkpoints(run_dir: Path) -> tuple[tuple[int, Path] | None, list[SkippedCheckpoint]]:
+    """The newest checkpoint that passes `verify_checkpoint` (None: none does), and each newer
+    one that does not, newest first, with why."""
+    skipped: list[SkippedCheckpoint] = []
     for step, path in reversed(_step_dirs(run_dir)):
         problem = verify_checkpoint(path)
         if problem is None:
-            return step, path
+            return (step, path), skipped
+        skipped.append(SkippedCheckpoint(step, path, problem))
+    return None, skipped
+
+
+def latest_valid_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    """The newest checkpoint that passes `verify_checkpoint`; each newer one that does not is
+    logged as a warning and skipped. None when no checkpoint verifies."""
+    found, skipped = scan_checkpoints(run_dir)
+    for s in skipped:
         log.warning(
             "checkpoint is corrupt or partial; using an older one",
-            checkpoint=str(path),
-            problem=problem,
+            checkpoint=str(s.path),
+            problem=s.problem,
         )
-    return None
+    return found
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int, keep_every: int = 0) -> None:

@@ -30,7 +30,7 @@ from miles.core.plugins import get_plugin_manager
 from miles.core.recipe import Recipe
 from miles.core.rundir import default_run_dir, write_config, write_manifest
 from miles.core.runtime.controller import Controller
-from miles.core.runtime.process import dump_stacks_on_sigusr1
+from miles.core.runtime.process import dump_stacks_on_sigusr1, private_ray_token
 from miles.core.runtime.prompts import PromptEncoder
 from miles.core.runtime.rollout_manager import load_tokenizer
 from miles.core.validation import validate
@@ -225,9 +225,20 @@ def _yaml_scalar(value: Any) -> str:
 def run_from_cli(request: RunRequest) -> int:
     dump_stacks_on_sigusr1()
     if not request.ray_address:
-        # The local Ray this run starts requires Ray's auth token on every connection. Ray reads
-        # the mode once, on import: set it before anything imports ray.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        # The local Ray this run starts requires Ray's auth token on every connection, whatever
+        # the environment says (RAY_AUTH_MODE=disabled would open it to anyone who reaches the
+        # port). Ray reads the mode once, on import: set it before anything imports ray.
+        if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+            click.secho(
+                f"error: RAY_AUTH_MODE={os.environ['RAY_AUTH_MODE']}: the Ray a local run starts "
+                "always requires its token; unset RAY_AUTH_MODE (or join a Ray of your own with "
+                "--ray-address)",
+                fg="red",
+                err=True,
+            )
+            return 2
+        os.environ["RAY_AUTH_MODE"] = "token"
+        private_ray_token()
     try:
         get_plugin_manager().require_no_conflicts()
         config, run_dir, _ = resolve_config(request)
@@ -281,6 +292,14 @@ def run_from_cli(request: RunRequest) -> int:
     for key, value in sorted(summary.items()):
         click.echo(f"  {key}: {value}", err=True)
     click.echo(f"  {faults_survived(result.final_metrics)}", err=True)
+    for skipped in controller.skipped_checkpoints:
+        assert controller.resume_from is not None
+        lost = skipped.step - controller.resume_from[0]
+        click.echo(
+            f"  resumed from step_{controller.resume_from[0]}, skipping {skipped.path.name} "
+            f"({skipped.problem}): {lost} step{'' if lost == 1 else 's'} trained again",
+            err=True,
+        )
     return 0
 
 

@@ -31,7 +31,7 @@ from miles.core.components import Capability, Kind
 from miles.core.config import RunConfig
 from miles.core.planner import colocated_offload
 from miles.core.plugins import get_plugin_manager
-from miles.core.rundir import drop_rows_after, latest_valid_checkpoint
+from miles.core.rundir import SkippedCheckpoint, drop_rows_after, scan_checkpoints
 from miles.core.runtime import checkpoints
 from miles.core.runtime.metric_log import MetricLog
 from miles.core.runtime.placement import Placement, cluster_gpu_memory_gb, start_ray
@@ -77,11 +77,26 @@ class Controller:
             config=config.to_dict(),
         )
         self.resume_from: tuple[int, Path] | None = None
+        # Newer checkpoints that did not verify, when resuming: said in the final summary and
+        # (as `checkpoint_skipped` faults in events.jsonl) in the report.
+        self.skipped_checkpoints: list[SkippedCheckpoint] = []
         if resume:
-            self.resume_from = latest_valid_checkpoint(run_dir)
+            self.resume_from, self.skipped_checkpoints = scan_checkpoints(run_dir)
             if self.resume_from is None:
+                why = "; ".join(f"{s.path.name}: {s.problem}" for s in self.skipped_checkpoints)
                 raise FileNotFoundError(
                     f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}"
+                    + (f" ({why})" if why else "")
+                )
+            for s in self.skipped_checkpoints:
+                lost = s.step - self.resume_from[0]
+                log.warning(
+                    f"--resume: checkpoint {s.path.name} skipped ({s.problem}); resuming from "
+                    f"step_{self.resume_from[0]}, {lost} step{'' if lost == 1 else 's'} lost",
+                    fault="checkpoint_skipped",
+                    checkpoint=str(s.path),
+                    problem=s.problem,
+                    steps_lost=s.step - self.resume_from[0],
                 )
             # Steps after the checkpoint run again: their old records go (before sinks open).
             for name in ("metrics.jsonl", "samples.jsonl"):

@@ -6,6 +6,7 @@ import contextlib
 import faulthandler
 import io
 import os
+import secrets
 import signal
 import socket
 from pathlib import Path
@@ -67,3 +68,22 @@ def reserve_port() -> socket.socket:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("", 0))
     return s
+
+
+def private_ray_token() -> Path | None:
+    """Ray's auth token file (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token), readable by its user
+    only: made here with a fresh token if missing (Ray would write it with the umask's mode),
+    its mode narrowed if it is open to others. None when the token comes from RAY_AUTH_TOKEN."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        if path.stat().st_mode & 0o077:
+            os.chmod(path, 0o600)
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(16))
+    return path
