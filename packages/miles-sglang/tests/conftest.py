@@ -31,12 +31,16 @@ class Server:
         headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:  # fmt: skip
         """(status, parsed JSON or text) of one HTTP call."""
+        from miles.sglang.serve_keys import key_for_url
+
         data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        key = key_for_url(self.url)  # the key the server made (none with --api-key)
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
         request = urllib.request.Request(
             self.url + path,
             data=data,
             method=method or ("GET" if data is None else "POST"),
-            headers={"Content-Type": "application/json", **(headers or {})},
+            headers={"Content-Type": "application/json", **auth, **(headers or {})},
         )
         try:
             with urllib.request.urlopen(request, timeout=120) as response:

@@ -3,6 +3,7 @@ continue / abort, weight updates through a weight-update group and from disk, me
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -432,13 +433,15 @@ def test_release_and_resume_memory(server):
 
 def test_api_key(model, tmp_path, serve_process):
     start_server, stop_server = serve_process
-    server = start_server(model, tmp_path, "--api-key", "s3cret")
+    server = start_server(model, tmp_path, "--api-key", "s3cret", "--max-body-mb", "1")
     try:
         status, out = server.call("/get_server_info")
         assert status == 401 and "API key" in out["error"]["message"]
         good = {"Authorization": "Bearer s3cret"}
         assert server.call("/get_server_info", headers=good)[0] == 200
         assert server.call("/health")[0] == 200  # health stays open for load balancers
+        big = json.dumps({"text": "x" * (2 << 20)}).encode()
+        assert server.call("/generate", raw=big, headers=good)[0] == 413
     finally:
         stop_server(server)
     # SIGTERM: uvicorn drains, the app shuts down, then the signal ends the process.
@@ -522,3 +525,59 @@ def test_serve_refuses_bad_arguments_with_a_message(args, message):
     )  # fmt: skip
     assert done.returncode != 0
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+NO_KEY = {"Authorization": ""}
+GENERATE = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+
+
+def test_without_api_key_control_needs_the_servers_own_key(server):
+    """The audit: with no --api-key anyone who reached the port replaced the weights. Now the
+    server makes a key (its file readable by its user only); control and weight endpoints need
+    it, generation on loopback does not."""
+    from miles.sglang.serve_keys import key_file
+
+    port = int(server.url.rsplit(":", 1)[1])
+    path = key_file("127.0.0.1", port)
+    assert path.stat().st_mode & 0o777 == 0o600
+    for route, body in [
+        ("/update_weights_from_disk", {"model_path": "/nonexistent"}),
+        ("/update_weight_version", {"new_version": "evil"}),
+        ("/pause_generation", {}),
+        ("/release_memory_occupation", {}),
+        ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1}),
+    ]:
+        status, out = server.call(route, body, headers=NO_KEY)
+        assert status == 401 and "API key" in out["error"]["message"], route
+    assert server.call("/generate", GENERATE, headers=NO_KEY)[0] == 200
+    assert server.call("/get_server_info", headers=NO_KEY)[0] == 200
+    assert server.call("/get_weight_version")[1]["weight_version"] != "evil"
+
+
+@pytest.mark.parametrize(
+    "headers, status",
+    [
+        ({"Content-Type": "text/plain"}, 415),  # a browser's "simple" cross-site POST
+        ({"Content-Type": "application/x-www-form-urlencoded"}, 415),
+        ({"Origin": "http://evil.example"}, 403),
+        ({"Host": "evil.example:30000"}, 403),  # DNS rebinding
+    ],
+)
+def test_browser_style_requests_are_refused(server, headers, status):
+    got, out = server.call("/pause_generation", {}, headers=headers)
+    assert got == status, out
+    assert server.call("/generate", GENERATE, headers=headers)[0] == status
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}', "NaN"),
+        (b'{"input_ids": [1], "sampling_params": {"temperature": 1e999}}', "finite"),
+        (b'{"input_ids": [1], "sampling_params": {"top_p": -Infinity}}', "Infinity"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ],
+)
+def test_non_finite_and_deep_bodies_are_400(server, raw, message):
+    status, out = server.call("/generate", raw=raw)
+    assert status == 400 and message in out["error"]["message"], out

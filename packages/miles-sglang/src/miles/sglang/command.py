@@ -43,7 +43,21 @@ import click
 @click.option(
     "--api-key",
     default=lambda: os.environ.get("MILES_SERVE_API_KEY"),
-    help="Require 'Authorization: Bearer KEY' (default: $MILES_SERVE_API_KEY; none: open).",
+    help="Require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+    "$MILES_SERVE_API_KEY; none: the server makes a key, see docs/serve.md).",
+)
+@click.option(
+    "--max-body-mb",
+    type=float,
+    default=64.0,
+    show_default=True,
+    help="Largest request body accepted (larger: 413).",
+)
+@click.option(
+    "--allow-origin",
+    multiple=True,
+    help="A browser origin allowed to call the server (default: none; requests with any other "
+    "Origin header are refused).",
 )
 def serve(
     target: str,
@@ -58,17 +72,22 @@ def serve(
     engine_path: str,
     record_routing: bool,
     api_key: str | None,
+    max_body_mb: float,
+    allow_origin: tuple[str, ...],
 ) -> None:
     """Serve TARGET (a Hugging Face checkpoint directory, a recipe or a CONFIG.yaml) with
     Miles' torch engine behind SGLang's HTTP API (/generate, weight updates, pause/continue,
     health). Binds to 127.0.0.1 unless --host says otherwise."""
     if max_batch_size < 1 or max_queue < 1:
         raise click.BadParameter("--max-batch-size and --max-queue must be at least 1")
+    if not max_body_mb > 0:
+        raise click.BadParameter("--max-body-mb must be positive")
     model_path = _model_path(target, list(overrides))
     # Arguments and config are checked first: a mistake is named without a torch import.
     import torch
     import uvicorn
 
+    from miles.sglang.serve_keys import LOOPBACK, write_key
     from miles.sglang.server import ServeSettings, build_app
     from miles.torch.engine.engine import TorchRolloutEngine
 
@@ -84,15 +103,27 @@ def serve(
         record_routing="ids" if record_routing else "off",
         path=engine_path,  # type: ignore[arg-type]  # click.Choice checked it
     )
+    # Control and weight endpoints always need a key: without --api-key the server makes one,
+    # readable by this user only; generation stays open on loopback (as SGLang's is there).
+    open_generation = False
+    if not api_key:
+        api_key, path = write_key(host, port)
+        open_generation = host in LOOPBACK
+        scope = "control and weight endpoints" if open_generation else "every endpoint"
+        click.echo(
+            f"miles serve: {scope} need the key in {path} (Authorization: Bearer KEY)", err=True
+        )
     settings = ServeSettings(
         model_path=model_path,
         max_batch_size=max_batch_size,
         max_queue=max_queue,
-        api_key=api_key or None,
+        api_key=api_key,
+        open_generation=open_generation,
+        host=host,
+        allowed_origins=tuple(allow_origin),
+        max_body_mb=max_body_mb,
         record_routing=record_routing,
     )
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        click.echo(f"miles serve: listening on {host} with no API key", err=True)
     uvicorn.run(build_app(engine, settings), host=host, port=port, log_level="warning")
 
 

@@ -38,6 +38,7 @@ from miles.core.types import GenerateRequest, GenerateResult
 from miles.core.weight_sync import SyncPlan
 from miles.sglang.config import MIN_SGLANG, SGLangConfig
 from miles.sglang.launcher import LaunchedServer
+from miles.sglang.serve_keys import key_for_url
 from miles.sglang.tensors import serialize_bucket
 
 log = structlog.get_logger(__name__)
@@ -59,6 +60,7 @@ class SGLangClient:
     def __init__(self, url: str, api_key: str | None, timeout_s: float) -> None:
         self.url, self.timeout_s = url, timeout_s
         self.headers = {"Content-Type": "application/json"}
+        api_key = api_key or key_for_url(url)  # a local `miles serve` that made its own key
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
 

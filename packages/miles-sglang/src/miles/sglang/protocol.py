@@ -12,6 +12,7 @@ Three kinds of request field:
 from __future__ import annotations
 
 import base64
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,6 +252,9 @@ def parse_sampling(params: Any, where: str) -> Sampling:
     p = {**SAMPLING_DEFAULTS, **{k: v for k, v in p.items() if v is not None}}
     if p["max_new_tokens"] < 0:
         raise BadRequest(f"{where}: max_new_tokens must be >= 0, got {p['max_new_tokens']}")
+    for name in ("temperature", "top_p", "min_p"):  # NaN passes every comparison below
+        if not math.isfinite(p[name]):
+            raise BadRequest(f"{where}: {name} must be a finite number, got {p[name]}")
     if p["temperature"] < 0:
         raise BadRequest(f"{where}: temperature must be >= 0, got {p['temperature']}")
     if not 0 < p["top_p"] <= 1:

@@ -43,7 +43,18 @@ class ServeSettings:
     model_path: str
     max_batch_size: int = 64
     max_queue: int = 1024
+    # 'Authorization: Bearer KEY' on every endpoint but /health (None: none required; `miles
+    # serve` always sets one, see serve_keys).
     api_key: str | None = None
+    # Generation and information endpoints need no key (a server on loopback whose key the
+    # server made itself, as SGLang's are open there); control and weight endpoints always do.
+    open_generation: bool = False
+    # The address the server is bound to: requests whose Host names another are refused (DNS
+    # rebinding). None: not checked.
+    host: str | None = None
+    # Browser origins allowed to call it; a request with any other Origin is refused.
+    allowed_origins: tuple[str, ...] = ()
+    max_body_mb: float = 64.0  # a larger body is refused (413)
     max_context: int | None = None  # None: the model config's max_position_embeddings
     record_routing: bool = False  # the engine records MoE routes (return_routed_experts)
 
@@ -89,17 +100,14 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
     app.state.miles = state
 
     @app.middleware("http")
-    async def check_key(request: Request, call_next: Callable[..., Awaitable[Any]]) -> Any:
-        key = settings.api_key
-        if key and request.url.path not in ("/health",):
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not secrets.compare_digest(given, key):
-                return _error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+    async def guard(request: Request, call_next: Callable[..., Awaitable[Any]]) -> Any:
+        if refused := _refusal(request, settings):
+            return refused
         return await call_next(request)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        return _error(400, str(exc))
+        return _error(413 if isinstance(exc, BodyTooLarge) else 400, str(exc))
 
     @app.exception_handler(Exception)
     async def internal(_: Request, exc: Exception) -> JSONResponse:
@@ -474,15 +482,76 @@ def _fail(message: str) -> JSONResponse:
     return JSONResponse({"success": False, "message": message}, status_code=400)
 
 
+# What a client may call without the key on a server whose `open_generation` is set: generating
+# and reading what the server is. Everything else (pause, abort, memory, weights, versions)
+# controls the server.
+_GENERATION_PATHS = frozenset(
+    {
+        "/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+        "/health_generate", "/get_model_info", "/model_info", "/get_server_info",
+        "/server_info", "/get_weight_version", "/weight_version",
+    }
+)  # fmt: skip
+# Bodies that are not JSON: tensors for /update_weights_from_tensor.
+_RAW_BODY_PATHS = frozenset({"/update_weights_from_tensor"})
+_LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+
+
+def _refusal(request: Request, settings: ServeSettings) -> JSONResponse | None:
+    """Why the request is refused before any endpoint sees it, as its error response; None to
+    let it through."""
+    headers, path = request.headers, request.url.path
+    origin = headers.get("origin")
+    if origin is not None and origin not in settings.allowed_origins:
+        return _error(403, f"cross-origin request refused (Origin: {origin[:100]})")
+    if settings.host is not None and settings.host not in ("0.0.0.0", "::", ""):
+        name = (headers.get("host") or "").rsplit(":", 1)[0].lower()
+        allowed = _LOOPBACK_NAMES if settings.host in _LOOPBACK_NAMES else {settings.host}
+        if name not in allowed:
+            return _error(403, f"Host {name[:100]!r} is not this server's address")
+    key = settings.api_key
+    open_path = path == "/health" or (settings.open_generation and path in _GENERATION_PATHS)
+    if key and not open_path:
+        given = headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), key.encode()):
+            return _error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+    if request.method == "POST" and path not in _RAW_BODY_PATHS:
+        kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        length = headers.get("content-length")
+        if kind != "application/json" and (length is None or length != "0"):
+            return _error(415, "request bodies must be JSON (Content-Type: application/json)")
+    length = headers.get("content-length", "")
+    if length.isdigit() and int(length) > settings.max_body_mb * 2**20:
+        return _error(413, f"request body over {settings.max_body_mb:g} MB")
+    return None
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadRequest(f"malformed JSON: {name} is not a JSON number")
+
+
 def _json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_reject_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"malformed JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("malformed JSON: nested too deeply") from None
 
 
 async def _body(request: Request) -> Any:
-    return _json(await request.body())
+    limit = request.app.state.miles.settings.max_body_mb * 2**20
+    chunks, size = [], 0
+    async for chunk in request.stream():  # a body without Content-Length is capped here
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body over {limit / 2**20:g} MB")
+        chunks.append(chunk)
+    return _json(b"".join(chunks))
+
+
+class BodyTooLarge(BadRequest):
+    """A request body over `max_body_mb` (413)."""
 
 
 def _check_tags(tags: Any) -> None:
