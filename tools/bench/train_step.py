@@ -61,6 +61,31 @@ def planned_train_gb(path: str, micro_batch_tokens: int) -> float:
     return float(sum(plan(run).to_json()["train_gb"].values()))
 
 
+def w0_batch(samples: int, seq_len: int, varied: bool) -> Any:
+    """W0's train batch (seeded): `samples` sequences of a 64-token prompt and a response; varied:
+    responses of 1/8 to all of the budget, as a rollout's are (the padded layout pays for the
+    longest of each micro-batch); else every sequence is `seq_len` long. Advantages +-1."""
+    from miles.core.types import PackedBatch, Sample
+
+    rng = np.random.default_rng(0)
+    lengths = (
+        rng.integers((seq_len - 64) // 8, seq_len - 64 + 1, samples)
+        if varied
+        else np.full(samples, seq_len - 64)
+    )
+    return PackedBatch.from_samples(
+        [
+            Sample(
+                prompt_ids=rng.integers(10, 150000, 64).tolist(),
+                response_ids=rng.integers(10, 150000, int(n)).tolist(),
+                sample_id=i,
+            )
+            for i, n in enumerate(lengths)
+        ],
+        advantages=[1.0 if i % 2 else -1.0 for i in range(samples)],
+    )
+
+
 def measure(
     path: str,
     micro_batch_tokens: int,
@@ -72,7 +97,6 @@ def measure(
     profile: bool = False,
     compile_mode: str = "auto",
 ) -> dict:
-    from miles.core.types import PackedBatch, Sample
     from miles.torch.testing import make_trainer
 
     trainer = make_trainer(
@@ -85,25 +109,7 @@ def measure(
         packing=packing,
         compile=compile_mode,
     )
-    rng = np.random.default_rng(0)
-    # Varied: responses of 1/8 to all of the budget, as a rollout's are (the padded layout
-    # pays for the longest of each micro-batch); else every sequence is seq_len long.
-    lengths = (
-        rng.integers((seq_len - 64) // 8, seq_len - 64 + 1, samples)
-        if varied
-        else np.full(samples, seq_len - 64)
-    )
-    batch = PackedBatch.from_samples(
-        [
-            Sample(
-                prompt_ids=rng.integers(10, 150000, 64).tolist(),
-                response_ids=rng.integers(10, 150000, int(n)).tolist(),
-                sample_id=i,
-            )
-            for i, n in enumerate(lengths)
-        ],
-        advantages=[1.0 if i % 2 else -1.0 for i in range(samples)],
-    )
+    batch = w0_batch(samples, seq_len, varied)
 
     def loss(inputs: Any) -> Any:
         return -inputs.advantages * inputs.logprobs, {}

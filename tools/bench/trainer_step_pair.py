@@ -26,11 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plan_vs_measured import write_checkpoint
+from train_step import w0_batch
 
 
 def _trainer(backend: str, path: str, compile_mode: str) -> Any:
@@ -71,7 +71,6 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("/tmp/trainer_step_pair.md"))
     args = parser.parse_args()
-    from miles.core.types import PackedBatch, Sample
 
     def report(text: str) -> None:
         print(text, flush=True)
@@ -83,19 +82,7 @@ def main() -> None:
     start = time.perf_counter()
     trainer = _trainer(args.backend, tmp, args.compile)
     build = time.perf_counter() - start
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(32, 257, 64)
-    batch = PackedBatch.from_samples(
-        [
-            Sample(
-                prompt_ids=rng.integers(10, 150000, 64).tolist(),
-                response_ids=rng.integers(10, 150000, int(n)).tolist(),
-                sample_id=i,
-            )
-            for i, n in enumerate(lengths)
-        ],
-        advantages=[1.0 if i % 2 else -1.0 for i in range(64)],
-    )
+    batch = w0_batch(64, 320, varied=True)  # responses of 32-256 tokens
 
     def loss(inputs: Any) -> Any:
         return -inputs.advantages * inputs.logprobs, {}

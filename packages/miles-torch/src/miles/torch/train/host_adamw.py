@@ -91,30 +91,29 @@ class HostAdamW(torch.optim.AdamW):
 
 
 def _to_host(value: torch.Tensor) -> torch.Tensor:
-    local = value.to_local() if isinstance(value, DTensor) else value
+    local = _local(value)
     if local.device.type == "cpu":
         return value
     host = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
     host.copy_(local, non_blocking=True)
-    if isinstance(value, DTensor):
-        return DTensor.from_local(
-            host, value.device_mesh, value.placements, run_check=False,
-            shape=value.shape, stride=value.stride(),
-        )  # fmt: skip
-    return host
+    return _rewrapped(value, host)
 
 
 def _to_device(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    local = value.to_local() if isinstance(value, DTensor) else value
-    if local.device == _local(like).device:
+    local, device = _local(value), _local(like).device
+    if local.device == device:
         return value
-    moved = local.to(_local(like).device, non_blocking=True)
-    if isinstance(value, DTensor):
-        return DTensor.from_local(
-            moved, value.device_mesh, value.placements, run_check=False,
-            shape=value.shape, stride=value.stride(),
-        )  # fmt: skip
-    return moved
+    return _rewrapped(value, local.to(device, non_blocking=True))
+
+
+def _rewrapped(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` in `value`'s place: a DTensor of the same layout over it, or `local` itself."""
+    if not isinstance(value, DTensor):
+        return local
+    return DTensor.from_local(
+        local, value.device_mesh, value.placements, run_check=False,
+        shape=value.shape, stride=value.stride(),
+    )  # fmt: skip
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
