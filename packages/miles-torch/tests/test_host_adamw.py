@@ -59,6 +59,8 @@ def test_param_groups_keep_their_own_hyper_parameters() -> None:
     assert [len(g["params"]) for g in host.param_groups] == [2, 3]  # restored after the step
 
 
+# GPU-only: pinned host memory and the host<->device moves exist only with CUDA; on a CPU the
+# moments never leave the parameters' device (the tests above cover the stepping).
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_moments_rest_in_pinned_host_memory() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,20 +34,35 @@ def read_rows(path: str, split: str = "train") -> list[dict[str, Any]]:
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
     rows = []
-    with Path(path).open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: each line must be a JSON object")
-            rows.append(row)
+    for lineno, row in rows_with_lines(path):
+        if isinstance(row, str):
+            raise ValueError(f"{path}:{lineno}: {row}")
+        rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows
+
+
+def rows_with_lines(path: str) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """(line number, row) for each non-blank line, or (line number, what is wrong with it)."""
+    with Path(path).open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield lineno, (f"not UTF-8: byte 0x{raw[exc.start]:02x} at column {exc.start + 1}")
+                continue
+            try:
+                row = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as exc:
+                yield lineno, f"not valid JSON: {exc.msg} (column {exc.colno})"
+                continue
+            if not isinstance(row, dict):
+                yield lineno, f"a JSON {type(row).__name__}, not an object"
+                continue
+            yield lineno, row
 
 
 @dataclass

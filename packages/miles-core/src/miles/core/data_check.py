@@ -10,14 +10,14 @@ fits without being tokenized, and large files of ordinary rows stay fast.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from miles.core.components import Kind
 from miles.core.config import ConfigError, RunConfig
+from miles.core.data import rows_with_lines
 from miles.core.factory import options_with_defaults
 from miles.core.families import model_config
 from miles.core.family import text_config
@@ -45,28 +45,6 @@ class FileReport:
     problems: list[str] = field(default_factory=list)
     # (line, tokens) of the prompts longer than the context
     too_long: list[tuple[int, int]] = field(default_factory=list)
-
-
-def rows_with_lines(path: str) -> Iterator[tuple[int, dict[str, Any] | str]]:
-    """(line number, row) for each non-blank line, or (line number, what is wrong with it)."""
-    with Path(path).open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield lineno, (f"not UTF-8: byte 0x{raw[exc.start]:02x} at column {exc.start + 1}")
-                continue
-            try:
-                row = json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as exc:
-                yield lineno, f"not valid JSON: {exc.msg} (column {exc.colno})"
-                continue
-            if not isinstance(row, dict):
-                yield lineno, f"a JSON {type(row).__name__}, not an object"
-                continue
-            yield lineno, row
 
 
 def prompt_bytes(value: Any) -> int:

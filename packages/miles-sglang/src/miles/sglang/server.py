@@ -30,6 +30,7 @@ from miles.sglang import openai
 from miles.sglang import protocol as wire
 from miles.sglang.host import EngineHost, Finished, NotServing, OnTokens, QueueFull
 from miles.sglang.protocol import BadRequest, GenerateItem
+from miles.sglang.serve_keys import LOOPBACK
 from miles.sglang.tensors import PayloadRefused, load_named_tensors
 from miles.sglang.weights import UpdateGroup, check_update, safetensors_weights
 
@@ -494,7 +495,7 @@ _GENERATION_PATHS = frozenset(
 )  # fmt: skip
 # Bodies that are not JSON: tensors for /update_weights_from_tensor.
 _RAW_BODY_PATHS = frozenset({"/update_weights_from_tensor"})
-_LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+_LOOPBACK_NAMES = frozenset({*LOOPBACK, "[::1]"})  # a Host header brackets IPv6
 
 
 def _refusal(request: Request, settings: ServeSettings) -> JSONResponse | None:
@@ -515,12 +516,11 @@ def _refusal(request: Request, settings: ServeSettings) -> JSONResponse | None:
         given = headers.get("authorization", "").removeprefix("Bearer ").strip()
         if not secrets.compare_digest(given.encode(), key.encode()):
             return _error(401, "missing or wrong API key (Authorization: Bearer KEY)")
-    if request.method == "POST" and path not in _RAW_BODY_PATHS:
-        kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        length = headers.get("content-length")
-        if kind != "application/json" and (length is None or length != "0"):
-            return _error(415, "request bodies must be JSON (Content-Type: application/json)")
     length = headers.get("content-length", "")
+    if request.method == "POST" and path not in _RAW_BODY_PATHS and length != "0":
+        kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if kind != "application/json":
+            return _error(415, "request bodies must be JSON (Content-Type: application/json)")
     if length.isdigit() and int(length) > settings.max_body_mb * 2**20:
         return _error(413, f"request body over {settings.max_body_mb:g} MB")
     return None
