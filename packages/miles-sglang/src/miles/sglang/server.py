@@ -103,6 +103,7 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
     @app.middleware("http")
     async def guard(request: Request, call_next: Callable[..., Awaitable[Any]]) -> Any:
         if refused := _refusal(request, settings):
+            await _discard_body(request, settings)
             return refused
         return await call_next(request)
 
@@ -524,6 +525,24 @@ def _refusal(request: Request, settings: ServeSettings) -> JSONResponse | None:
     if length.isdigit() and int(length) > settings.max_body_mb * 2**20:
         return _error(413, f"request body over {settings.max_body_mb:g} MB")
     return None
+
+
+_DISCARD_FLOOR = 16 * 2**20
+
+
+async def _discard_body(request: Request, settings: ServeSettings) -> None:
+    """Read and drop a refused request's body, up to a bound, before answering: a client that
+    sends its whole body before it reads (urllib, requests) then gets the 4xx instead of a broken
+    pipe. A body past the bound is not read; the connection just closes."""
+    cap = max(4 * settings.max_body_mb * 2**20, _DISCARD_FLOOR)
+    length = request.headers.get("content-length", "")
+    if request.method not in ("POST", "PUT", "PATCH") or (length.isdigit() and int(length) > cap):
+        return
+    seen = 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > cap:
+            return
 
 
 def _reject_constant(name: str) -> Any:
