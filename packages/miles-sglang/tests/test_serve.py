@@ -585,3 +585,78 @@ def test_browser_style_requests_are_refused(server, headers, status):
 def test_non_finite_and_deep_bodies_are_400(server, raw, message):
     status, out = server.call("/generate", raw=raw)
     assert status == 400 and message in out["error"]["message"], out
+
+
+def _black_hole() -> Any:
+    """A listening socket that never accepts: a weight-update group's trainer that is gone (the
+    TCP handshake completes, nothing ever answers)."""
+    import socket
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    return hole
+
+
+def _join_body(port: int) -> dict[str, Any]:
+    return {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "backend": "gloo",
+    }  # fmt: skip
+
+
+def test_weight_calls_that_hang_get_a_deadline_and_never_take_the_workers(
+    model, tmp_path, serve_process
+):
+    """The audit: one init_weights_update_group to a dead trainer hung 600 s; 45 of them took
+    every worker. Now each has a deadline (504 naming what it waited for), and they run one at a
+    time on a lane of their own, so generation is answered meanwhile."""
+    start_server, stop_server = serve_process
+    server = start_server(model, tmp_path, "--weight-timeout", "4")
+    hole = _black_hole()
+    try:
+        body = _join_body(hole.getsockname()[1])
+        with ThreadPoolExecutor(45) as pool:
+            started = time.monotonic()
+            calls = [
+                pool.submit(server.call, "/init_weights_update_group", body) for _ in range(45)
+            ]
+            time.sleep(1.0)
+            status, out = server.call("/generate", GENERATE)
+            assert status == 200 and time.monotonic() - started < 4, out
+            results = [call.result() for call in calls]
+        assert time.monotonic() - started < 30  # not 45 x 4 s: the waiters give up on time
+        statuses = [status for status, _ in results]
+        assert 504 in statuses and set(statuses) <= {503, 504}, statuses
+        timed_out = next(out for status, out in results if status == 504)
+        assert timed_out["success"] is False
+        assert "init_weights_update_group" in timed_out["message"]
+        assert f"127.0.0.1:{body['master_port']}" in timed_out["message"]
+        # The lane is free again: a real weight load goes through.
+        status, out = server.call("/update_weights_from_disk", {"model_path": model})
+        assert status == 200 and out["success"], out
+    finally:
+        hole.close()
+        stop_server(server)
+
+
+def test_sigterm_exits_in_bounded_time_with_a_weight_call_in_flight(model, tmp_path, serve_process):
+    """The audit: after SIGTERM the server stopped listening and its process lived 13+ minutes,
+    blocked on a group set-up. Now it drains for --shutdown-timeout, then exits."""
+    start_server, _ = serve_process
+    server = start_server(model, tmp_path, "--weight-timeout", "600", "--shutdown-timeout", "1")
+    hole = _black_hole()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(
+                server.call, "/init_weights_update_group", _join_body(hole.getsockname()[1])
+            )
+            time.sleep(1.0)
+            server.process.terminate()
+            started = time.monotonic()
+            server.process.wait(timeout=30)
+        assert time.monotonic() - started < 15
+    finally:
+        hole.close()
+        if server.process.poll() is None:
+            server.process.kill()

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -59,6 +61,22 @@ import click
     help="A browser origin allowed to call the server (default: none; requests with any other "
     "Origin header are refused).",
 )
+@click.option(
+    "--weight-timeout",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="Seconds a weight operation (group set-up, weight load, memory release) may take "
+    "before it answers 504.",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM, seconds to drain requests in flight; the process exits by then plus a "
+    "few seconds, whatever is still running.",
+)
 def serve(
     target: str,
     host: str,
@@ -74,14 +92,21 @@ def serve(
     api_key: str | None,
     max_body_mb: float,
     allow_origin: tuple[str, ...],
+    weight_timeout: float,
+    shutdown_timeout: float,
 ) -> None:
     """Serve TARGET (a Hugging Face checkpoint directory, a recipe or a CONFIG.yaml) with
     Miles' torch engine behind SGLang's HTTP API (/generate, weight updates, pause/continue,
     health). Binds to 127.0.0.1 unless --host says otherwise."""
     if max_batch_size < 1 or max_queue < 1:
         raise click.BadParameter("--max-batch-size and --max-queue must be at least 1")
-    if not max_body_mb > 0:
-        raise click.BadParameter("--max-body-mb must be positive")
+    for name, value in (
+        ("--max-body-mb", max_body_mb),
+        ("--weight-timeout", weight_timeout),
+        ("--shutdown-timeout", shutdown_timeout),
+    ):
+        if not value > 0:
+            raise click.BadParameter(f"{name} must be positive, got {value}")
     model_path = _model_path(target, list(overrides))
     # Arguments and config are checked first: a mistake is named without a torch import.
     import torch
@@ -123,8 +148,26 @@ def serve(
         allowed_origins=tuple(allow_origin),
         max_body_mb=max_body_mb,
         record_routing=record_routing,
+        weight_timeout_s=weight_timeout,
     )
-    uvicorn.run(build_app(engine, settings), host=host, port=port, log_level="warning")
+    app = build_app(engine, settings, exit_deadline_s=shutdown_timeout + _EXIT_MARGIN_S)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=math.ceil(shutdown_timeout),
+    )
+    # Served and shut down: leave now, without waiting on threads still blocked in a collective
+    # or a load (they hold nothing that outlives the process).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# After the drain, the app's own shutdown (engine, groups) gets this long before the process
+# exits regardless.
+_EXIT_MARGIN_S = 10.0
 
 
 def _model_path(target: str, overrides: list[str]) -> str:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from miles.sglang.host import EngineHost, Finished, NotServing, OnTokens, QueueF
 from miles.sglang.protocol import BadRequest, GenerateItem
 from miles.sglang.serve_keys import LOOPBACK
 from miles.sglang.tensors import PayloadRefused, load_named_tensors
+from miles.sglang.weight_lane import DeadlineExceeded, LaneBusy, WeightLane
 from miles.sglang.weights import UpdateGroup, check_update, safetensors_weights
 
 # The SGLang release whose protocol this server follows (what /get_server_info reports).
@@ -56,6 +59,9 @@ class ServeSettings:
     # Browser origins allowed to call it; a request with any other Origin is refused.
     allowed_origins: tuple[str, ...] = ()
     max_body_mb: float = 64.0  # a larger body is refused (413)
+    # Deadline of each weight operation (group set-up, weight loads, memory release): past it the
+    # request answers 504 naming what it waited for (weight_lane.py).
+    weight_timeout_s: float = 300.0
     max_context: int | None = None  # None: the model config's max_position_embeddings
     record_routing: bool = False  # the engine records MoE routes (return_routed_experts)
 
@@ -67,14 +73,19 @@ class _State:
     settings: ServeSettings
     tokenizer: Any
     max_context: int
+    lane: WeightLane
     version_label: str = "default"
     groups: dict[str, UpdateGroup] = field(default_factory=dict)
     released: bool = False
     started: float = field(default_factory=time.time)
 
 
-def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
-    """The ASGI app serving `engine` (a `TorchRolloutEngine`, loaded)."""
+def build_app(
+    engine: Any, settings: ServeSettings, exit_deadline_s: float | None = None
+) -> FastAPI:
+    """The ASGI app serving `engine` (a `TorchRolloutEngine`, loaded). `exit_deadline_s`: once
+    its shutdown starts, the process exits after this long even if the shutdown hangs (None:
+    never forced; for an app embedded in another process)."""
     config = engine.model.config
     max_context = settings.max_context or int(
         getattr(config, "max_position_embeddings", 0) or 1 << 20
@@ -85,11 +96,14 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
         settings=settings,
         tokenizer=engine.tokenizer,
         max_context=max_context,
+        lane=WeightLane(settings.weight_timeout_s),
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        if exit_deadline_s is not None:
+            _exit_after(exit_deadline_s)
         state.host.close()  # graceful: uvicorn has stopped taking requests and drained them
         for group in state.groups.values():
             group.close()
@@ -119,6 +133,14 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
     @app.exception_handler(NotServing)
     async def not_serving(_: Request, exc: NotServing) -> JSONResponse:
         return _error(503, str(exc))
+
+    @app.exception_handler(LaneBusy)
+    async def lane_busy(_: Request, exc: LaneBusy) -> JSONResponse:
+        return _fail(str(exc), 503)
+
+    @app.exception_handler(DeadlineExceeded)
+    async def deadline(_: Request, exc: DeadlineExceeded) -> JSONResponse:
+        return _fail(str(exc), 504)
 
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, exc: QueueFull) -> JSONResponse:
@@ -308,7 +330,7 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
             raise BadRequest(
                 "release_memory_occupation needs an idle engine: pause and drain first"
             )
-        await run_in_threadpool(state.engine.release_memory)
+        await state.lane.run("release_memory_occupation", lambda _: state.engine.release_memory())
         state.released = True
         return _ok("memory released")
 
@@ -319,7 +341,7 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
             _json(raw) if raw.strip() else {}, wire.MEMORY_FIELDS, "/resume_memory_occupation"
         )
         _check_tags(body.get("tags"))
-        await run_in_threadpool(state.engine.resume_memory)
+        await state.lane.run("resume_memory_occupation", lambda _: state.engine.resume_memory())
         state.released = False
         return _ok("memory resumed")
 
@@ -334,19 +356,27 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
         name = body.get("group_name", "weight_update_group")
         if name in state.groups:
             raise BadRequest(f"weight-update group {name!r} exists: destroy it first")
+        what = (
+            f"init_weights_update_group (trainer at {body['master_address']}:{body['master_port']})"
+        )
         try:
-            group = await run_in_threadpool(
-                UpdateGroup,
-                name,
-                body["master_address"],
-                body["master_port"],
-                body["rank_offset"],
-                body["world_size"],
-                body.get("backend", "nccl"),
-                engine.device,
+            group = await state.lane.run(
+                what,
+                lambda seconds_left: UpdateGroup(
+                    name,
+                    body["master_address"],
+                    body["master_port"],
+                    body["rank_offset"],
+                    body["world_size"],
+                    body.get("backend", "nccl"),
+                    engine.device,
+                    timeout_s=seconds_left,
+                ),
             )
-        except BadRequest:
+        except _ANSWERED:
             raise
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"{what}: {exc} (miles serve --weight-timeout)") from None
         except Exception as exc:
             return _fail(f"joining weight-update group {name!r} failed: {exc}")
         state.groups[name] = group
@@ -361,7 +391,7 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
         group = state.groups.pop(name, None)
         if group is None:
             raise BadRequest(f"no weight-update group {name!r}")
-        await run_in_threadpool(group.close)
+        await state.lane.run("destroy_weights_update_group", lambda _: group.close())
         return _ok(f"left weight-update group {name!r}")
 
     @app.post("/update_weights_from_distributed")
@@ -383,15 +413,15 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
         if body.get("abort_all_requests"):
             await run_in_threadpool(state.host.abort, None, True)
 
-        def receive_and_load() -> None:
+        def receive_and_load(_: float) -> None:
             tensors = group.receive(
                 body["names"], body["dtypes"], body["shapes"], load_format == "flattened_bucket"
             )
             _load(state, tensors)
 
         try:
-            await run_in_threadpool(receive_and_load)
-        except BadRequest:
+            await state.lane.run("update_weights_from_distributed", receive_and_load)
+        except _ANSWERED:
             raise
         except Exception as exc:
             return _fail(f"update_weights_from_distributed failed: {exc}")
@@ -407,8 +437,11 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
         if body.get("abort_all_requests"):
             await run_in_threadpool(state.host.abort, None, True)
         try:
-            await run_in_threadpool(lambda: _load(state, safetensors_weights(body["model_path"])))
-        except BadRequest:
+            await state.lane.run(
+                "update_weights_from_disk",
+                lambda _: _load(state, safetensors_weights(body["model_path"])),
+            )
+        except _ANSWERED:
             raise
         except Exception as exc:
             return _fail(f"update_weights_from_disk failed: {exc}")
@@ -438,7 +471,7 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
         if body.get("abort_all_requests"):
             await run_in_threadpool(state.host.abort, None, True)
 
-        def load() -> int:
+        def load(_: float) -> int:
             try:
                 named = load_named_tensors(entries[0])
             except PayloadRefused as exc:
@@ -454,8 +487,8 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
             return len(named)
 
         try:
-            loaded = await run_in_threadpool(load)
-        except BadRequest:
+            loaded = await state.lane.run("update_weights_from_tensor", load)
+        except _ANSWERED:
             raise
         except Exception as exc:
             return _fail(f"update_weights_from_tensor failed: {exc}")
@@ -466,6 +499,20 @@ def build_app(engine: Any, settings: ServeSettings) -> FastAPI:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _exit_after(seconds: float) -> None:
+    """End the process in `seconds` unless it has ended by then: a shutdown stuck on a
+    collective or a load must not keep a server's process alive."""
+
+    def stop() -> None:
+        time.sleep(seconds)
+        print(
+            f"miles serve: shutdown took over {seconds:g} s; exiting", file=sys.stderr, flush=True
+        )
+        os._exit(1)
+
+    threading.Thread(target=stop, name="miles-serve-exit", daemon=True).start()
 
 
 def _new_rid() -> str:
@@ -480,9 +527,14 @@ def _ok(message: str) -> JSONResponse:
     return JSONResponse({"success": True, "message": message})
 
 
-def _fail(message: str) -> JSONResponse:
-    return JSONResponse({"success": False, "message": message}, status_code=400)
+def _fail(message: str, status: int = 400) -> JSONResponse:
+    """SGLang's answer to a failed control call, with its error object beside it."""
+    body = {"success": False, "message": message, **wire.error_body(message)}
+    return JSONResponse(body, status_code=status)
 
+
+# Errors with an answer of their own (400, 503, 504), not "the operation failed".
+_ANSWERED = (BadRequest, LaneBusy, DeadlineExceeded)
 
 # What a client may call without the key on a server whose `open_generation` is set: generating
 # and reading what the server is. Everything else (pause, abort, memory, weights, versions)

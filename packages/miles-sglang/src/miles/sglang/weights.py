@@ -20,6 +20,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from miles.sglang.protocol import BadRequest
+from miles.sglang.store_deadline import within_deadline
 from miles.torch.sync.group import broadcast_from_rank0, close_group
 
 _DTYPES = {
@@ -67,13 +68,19 @@ class UpdateGroup:
             raise BadRequest(f"rank_offset {rank} must be in [1, world_size={world_size})")
         self.name, self.device = name, device
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            master_address, master_port, world_size, is_master=False, timeout=timeout
+        store = within_deadline(
+            master_address,
+            master_port,
+            timeout_s,
+            lambda: dist.TCPStore(  # type: ignore[attr-defined]
+                master_address, master_port, world_size, is_master=False, timeout=timeout
+            ),
         )
         prefixed = dist.PrefixStore(name, store)  # type: ignore[attr-defined]
         self._pg: Any
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # each collective gives up after the same deadline
             self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
         else:
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
