@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import ctypes
+import errno
 import importlib.util
 import json
 import os
@@ -638,3 +639,123 @@ def test_the_program_cannot_forge_the_launchers_report() -> None:
     r = run(code)
     assert (r.status, r.exit_code) == ("error", 7), (r.stdout, r.stderr)
     assert r.reason.startswith("exit code 7") and r.contained
+
+
+# -- the audit's probes of memory and state (each passed on the old sandbox) ------------------
+
+SHM_HOG = """
+import ctypes
+import errno
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+held = 0
+for _ in range(6):
+    sid = libc.shmget(0, 128 << 20, 0o1000 | 0o600)  # IPC_PRIVATE, IPC_CREAT
+    if sid < 0:
+        print("refused", ctypes.get_errno(), flush=True)
+        break
+    addr = libc.shmat(sid, None, 0)
+    ctypes.memset(addr, 1, 128 << 20)  # bring every page in
+    libc.shmdt(ctypes.c_void_p(addr))  # unmapped: out of RLIMIT_AS's sight, the pages stay
+    if libc.shmctl(sid, 2, ctypes.create_string_buffer(512)) < 0:  # IPC_STAT: still there?
+        print("gone", ctypes.get_errno(), flush=True)
+        continue
+    held += 128
+    print("held", held, flush=True)
+"""
+
+MEMFD_HOG = """
+import os
+held = 0
+files = []
+for _ in range(20):
+    fd = os.memfd_create("x")
+    files.append(fd)
+    for _ in range(15):
+        os.write(fd, bytes(1 << 20))  # written, never mapped: not in the address space
+    held += 15
+    print("held", held, flush=True)
+"""
+
+
+def _held(stdout: str) -> int:
+    return max(
+        [0, *(int(line.split()[1]) for line in stdout.splitlines() if line.startswith("held"))]
+    )
+
+
+@pytest.mark.skipif(not ROOT, reason="the IPC namespace and its sysctls need root")
+def test_sysv_shared_memory_counts_against_the_limit() -> None:
+    """The audit: 6 x 128 MiB of SysV shared memory with memory_mb=256."""
+    r = run(SHM_HOG, limits=SandboxLimits(wall_s=10.0, memory_mb=256))
+    assert _held(r.stdout) <= 256, (r.stdout, r.reason)
+    assert isolated(r, "ipc_capped") and r.contained
+
+
+@pytest.mark.skipif(not ROOT, reason="a memory cgroup and seccomp need root")
+@pytest.mark.parametrize("cgroup", [True, False], ids=["machine-cgroup", "no-cgroup"])
+def test_memfd_pages_count_against_the_limit(cgroup: bool) -> None:
+    """The audit: 20 x 15 MiB of memfd pages with memory_mb=64. With a memory cgroup they are
+    charged to the run (and the kernel stops it); without one, memfd_create is refused."""
+    sandbox = make_sandbox()
+    if not cgroup:
+        sandbox._unavailable = ("memory_cgroup",)
+    r = run(MEMFD_HOG, limits=SandboxLimits(wall_s=10.0, memory_mb=64), sandbox=sandbox)
+    assert _held(r.stdout) <= 64, (r.stdout, r.reason)
+    if any(m.startswith("memory_cgroup_v") for m in r.isolation):
+        assert r.status == "memory" and "memory cgroup" in r.reason, (r.status, r.reason)
+    else:
+        assert r.status == "error" and "Operation not permitted" in r.stderr, r.stderr[-500:]
+    assert r.contained
+
+
+KEYRING = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+add_key, keyctl = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
+USER_KEYRING, KEYCTL_SEARCH = -4, 10
+if sys.stdin.read() == "write":
+    r = libc.syscall(add_key, b"user", b"miles-probe", b"secret", 6, USER_KEYRING)
+else:
+    r = libc.syscall(keyctl, KEYCTL_SEARCH, USER_KEYRING, b"user", b"miles-probe", 0)
+print(r, ctypes.get_errno())
+"""
+
+
+@pytest.mark.skipif(not ROOT, reason="seccomp and a uid of its own need root")
+def test_no_keyring_state_survives_from_one_sample_to_the_next() -> None:
+    """The audit: sample 1's `add_key @u` was read by sample 2, run as the same uid."""
+    sandbox = make_sandbox(max_concurrency=1)
+    written = run(KEYRING, stdin="write", sandbox=sandbox)
+    read = run(KEYRING, stdin="read", sandbox=sandbox)
+    assert written.stdout.split() == ["-1", str(errno.EPERM)], written.stdout + written.stderr
+    assert read.stdout.split()[0] == "-1", read.stdout  # nothing found, nothing readable
+    assert isolated(written, "seccomp")
+
+
+@pytest.mark.skipif(not ROOT, reason="seccomp needs root here (no_new_privs comes with the uid)")
+def test_no_user_namespaces_and_threads_and_subprocesses_still_work() -> None:
+    """The audit: `unshare(CLONE_NEWUSER)` succeeded inside. Threads (clone3 refused, so libc
+    falls back to clone) and subprocesses must keep working."""
+    code = """
+import ctypes, subprocess, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+print("unshare", libc.unshare(0x10000000), ctypes.get_errno())
+box = []
+thread = threading.Thread(target=box.append, args=(1,))
+thread.start(); thread.join()
+print("thread", box)
+print("child", subprocess.run([sys.executable, "-c", "print(7)"], capture_output=True, text=True).stdout.strip())
+"""
+    r = run(code, limits=SandboxLimits(wall_s=10.0))
+    assert r.ok, r.stderr[-800:]
+    assert r.stdout.splitlines() == ["unshare -1 1", "thread [1]", "child 7"], r.stdout
+
+
+@pytest.mark.skipif(not ROOT, reason="a pid namespace of its own needs root")
+def test_the_launchers_config_is_not_readable_inside() -> None:
+    """The audit: /proc/1/cmdline (the sandbox's init) showed the launcher's config."""
+    r = run("print(open('/proc/1/cmdline', 'rb').read().replace(b'\\0', b' ').decode())")
+    assert r.ok, r.stderr[-500:]
+    assert "_launcher.py" in r.stdout  # the right process...
+    assert "memory_bytes" not in r.stdout and "workdir" not in r.stdout  # ...without its config

@@ -1,19 +1,25 @@
 """The sandbox launcher: run as `python -I _launcher.py CONFIG_JSON` by `miles.rewards.sandbox`.
 
-Standard library only (it runs in isolated mode, without miles on the path). Three processes:
+Standard library only (it runs in isolated mode, without miles on the path). Its config comes
+on a pipe (the fd is its one argument), so nothing inside can read it from /proc/1/cmdline.
+Three processes:
 
     launcher (host pid namespace; isolates itself, then waits)
       └─ init   (pid 1 of a fresh pid namespace: when it exits, the kernel kills everything in it)
            └─ user (limits set, privileges dropped, then runs solution.py in-process)
 
-The launcher unshares the network, pid, mount and IPC namespaces. `init`, the first process of
+The launcher first joins the run's memory cgroup (made by the runner, when the machine allows
+one), then unshares the network, pid, mount and IPC namespaces, and caps the new IPC namespace's
+shared memory at the memory limit. `init`, the first process of
 the new pid namespace, builds the program's root file system (a fresh tmpfs holding read-only
 bind mounts of the interpreter and the system libraries, the work dir, a /proc of its own pid
 namespace and a minimal /dev) and `pivot_root`s into it, detaching the host's tree. Each step is
 recorded; if one that `REQUIRED` lists fails, `init` refuses to run the program unless the config
 allows weak isolation, and then falls back step by step (see docs/sandbox.md). `init` reports
 what was enforced and how `user` ended as JSON lines on the info pipe, whose copy `user` closes
-before any untrusted code runs.
+before any untrusted code runs. `user` installs a seccomp filter last: no new namespaces (user
+namespaces included), no keyrings (state that would outlive the run), no mounts, BPF, io_uring,
+userfaultfd, perf events or kernel modules; and no memfd_create where no cgroup counts its pages.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 # Exit code of `init` when the sandbox itself could not be set up (an internal error, not the code's).
 SETUP_FAILED = 111
 # Without these, isolation is weak: untrusted code runs only with all of them, or with `allow_weak`.
-REQUIRED = ("netns", "pidns", "mountns", "ipcns", "private_root", "private_proc", "uid")
+REQUIRED = ("netns", "pidns", "mountns", "ipcns", "private_root", "private_proc", "uid", "seccomp")
 # What the program's root holds besides the interpreter's directories and the work dir, read-only:
 # the system's shared libraries (and its commands, for `subprocess`). A path that is a symlink on
 # the host (/lib -> usr/lib where /usr is merged) becomes the same symlink.
@@ -59,6 +65,103 @@ _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "loongarch64": 4
 _SYS_PIVOT_ROOT |= {"ppc64le": 203, "ppc64": 203}
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+# -- seccomp -----------------------------------------------------------------------------------
+# System calls the program has no use for, refused with EPERM. Per architecture: (the audit
+# architecture seccomp reports, {name: number}).
+_DENIED = [
+    "unshare",
+    "setns",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "userfaultfd",
+    "perf_event_open",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "kexec_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "memfd_secret",
+]
+_SYSCALLS = {
+    "x86_64": (0xC000003E, dict(zip(
+        [*_DENIED, "memfd_create", "clone", "clone3"],
+        [272, 308, 250, 248, 249, 321, 323, 298, 425, 426, 427, 165, 166, 155, 428, 429, 430,
+         431, 432, 433, 442, 246, 175, 313, 176, 447, 319, 56, 435], strict=True,
+    ))),
+    "aarch64": (0xC00000B7, dict(zip(
+        [*_DENIED, "memfd_create", "clone", "clone3"],
+        [97, 268, 219, 217, 218, 280, 282, 241, 425, 426, 427, 40, 39, 41, 428, 429, 430, 431,
+         432, 433, 442, 104, 105, 273, 106, 447, 279, 220, 435], strict=True,
+    ))),
+}  # fmt: skip
+# clone's flags that make a namespace: refused, like unshare.
+_CLONE_NEW_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000
+_CLONE_NEW_NAMESPACES |= 0x20000000 | 0x40000000 | 0x00000080
+_RET_ALLOW, _RET_KILL, _RET_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+_LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+        ("k", ctypes.c_uint),
+    ]  # fmt: skip
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _seccomp_program(machine: str, deny_memfd: bool) -> list[tuple[int, int, int, int]]:
+    """The classic-BPF filter, as (code, jt, jf, k) instructions."""
+    arch, numbers = _SYSCALLS[machine]
+    denied = [numbers[name] for name in _DENIED]
+    if deny_memfd:
+        denied.append(numbers["memfd_create"])
+    program = [
+        (_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
+        (_JEQ, 1, 0, arch),
+        (_RET, 0, 0, _RET_KILL),  # another ABI (32-bit calls on a 64-bit kernel): never ours
+        (_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
+    ]
+    if machine == "x86_64":  # the x32 ABI's numbers
+        program += [(_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _RET_ERRNO | errno.ENOSYS)]
+    for number in denied:
+        program += [(_JEQ, 0, 1, number), (_RET, 0, 0, _RET_ERRNO | errno.EPERM)]
+    # clone3 passes its flags in memory, out of a filter's sight: ENOSYS makes libc use clone.
+    program += [(_JEQ, 0, 1, numbers["clone3"]), (_RET, 0, 0, _RET_ERRNO | errno.ENOSYS)]
+    program += [
+        (_JEQ, 0, 3, numbers["clone"]),
+        (_LD_W_ABS, 0, 0, 16),  # the low half of args[0], clone's flags
+        (_JSET, 0, 1, _CLONE_NEW_NAMESPACES),
+        (_RET, 0, 0, _RET_ERRNO | errno.EPERM),
+        (_RET, 0, 0, _RET_ALLOW),
+    ]
+    return program
+
+
+def _install_seccomp(deny_memfd: bool) -> None:
+    """Install the filter on this process (and so on everything it starts). Needs no_new_privs."""
+    program = _seccomp_program(os.uname().machine, deny_memfd)
+    filters = (_SockFilter * len(program))(*[_SockFilter(*op) for op in program])
+    fprog = _SockFprog(len(program), filters)
+    _call(_libc.prctl, PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0)
 
 
 def _call(fn: Any, *args: Any) -> None:
@@ -130,9 +233,29 @@ def _unshare(cfg: dict[str, Any], notes: dict[str, Any]) -> None:
         except OSError as e:
             notes[name] = False
             notes[f"{name}_error"] = str(e)
+    if notes["ipcns"]:
+        _cap_ipc(cfg, notes)
     if notes["mountns"]:
         # Nothing we mount from here on may leak back to the host's mount namespace.
         _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+
+
+def _cap_ipc(cfg: dict[str, Any], notes: dict[str, Any]) -> None:
+    """SysV IPC of the new IPC namespace (these sysctls are its own): all shared memory together
+    at most the memory limit, segments gone with their last user, few message queues."""
+    pages = -(-cfg["memory_bytes"] // os.sysconf("SC_PAGE_SIZE"))
+    values = {
+        "shmmax": cfg["memory_bytes"], "shmall": pages, "shmmni": 64, "shm_rmid_forced": 1,
+        "msgmni": 16,
+    }  # fmt: skip
+    try:
+        for name, value in values.items():
+            with open(f"/proc/sys/kernel/{name}", "w") as f:
+                f.write(str(value))
+        notes["ipc_capped"] = True
+    except OSError as e:
+        notes["ipc_capped"] = False
+        notes["ipc_capped_error"] = str(e)
 
 
 def _files(cfg: dict[str, Any], notes: dict[str, Any]) -> None:
@@ -291,6 +414,7 @@ def _set_limits(cfg: dict[str, Any]) -> None:
     cap(resource.RLIMIT_NOFILE, cfg["max_open_files"])
     cap(resource.RLIMIT_CORE, 0)
     cap(resource.RLIMIT_NPROC, cfg["nproc"])
+    cap(resource.RLIMIT_MSGQUEUE, 0)  # POSIX message queues: kernel memory, outside RLIMIT_AS
 
 
 def _block_sockets() -> None:
@@ -342,6 +466,8 @@ def _become_user(cfg: dict[str, Any], notes: dict[str, Any], info_fd: int) -> No
     _call(_libc.prctl, PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     # Changing credentials cleared the parent-death signal; set it now, after the change.
     _call(_libc.prctl, PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if notes["seccomp"]:
+        _install_seccomp(deny_memfd=not notes.get("memory_cgroup"))
     if not notes["netns"]:
         _block_sockets()
     # Fail here, as a sandbox error, if the dropped uid cannot reach the program or the standard
@@ -364,6 +490,10 @@ def _init(cfg: dict[str, Any], notes: dict[str, Any], info_fd: int) -> int | Non
     _call(_libc.prctl, PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if notes["mountns"]:
         _files(cfg, notes)
+    machine = os.uname().machine
+    notes["seccomp"] = machine in _SYSCALLS and "seccomp" not in cfg.get("unavailable", ())
+    if not notes["seccomp"]:
+        notes["seccomp_error"] = f"no system call table for {machine}"
     for name in REQUIRED:
         notes.setdefault(name, False)
     missing = [name for name in REQUIRED if not notes[name]]
@@ -391,6 +521,22 @@ def _init(cfg: dict[str, Any], notes: dict[str, Any], info_fd: int) -> int | Non
     return 0
 
 
+def _join_cgroup(cfg: dict[str, Any], notes: dict[str, Any]) -> None:
+    """Enter the run's memory cgroup, before anything is forked: every process of the run is
+    then in it."""
+    procs = cfg.get("cgroup_procs")
+    if not procs:
+        notes["memory_cgroup"] = False
+        return
+    try:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+        notes["memory_cgroup"] = True
+    except OSError as e:
+        notes["memory_cgroup"] = False
+        notes["memory_cgroup_error"] = str(e)
+
+
 def _fatal(info_fd: int) -> None:
     import traceback
 
@@ -399,10 +545,13 @@ def _fatal(info_fd: int) -> None:
 
 def main() -> int | None:
     """The launcher's exit code; None in the `user` process."""
-    cfg = json.loads(sys.argv[1])
+    cfg_fd = int(sys.argv[1])
+    with os.fdopen(cfg_fd, "rb") as f:
+        cfg = json.loads(f.read())
     info_fd = cfg["info_fd"]
     notes: dict[str, Any] = {}
     try:
+        _join_cgroup(cfg, notes)
         if os.geteuid() == 0:
             _unshare(cfg, notes)
         else:

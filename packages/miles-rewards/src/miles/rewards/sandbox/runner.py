@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from miles.rewards.sandbox.datatypes import SandboxLimits, SandboxResult, Status
+from miles.rewards.sandbox.memory_cgroup import MemoryCgroup, make_memory_cgroup
 from miles.rewards.sandbox.uids import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, lease_uid
 
 _LAUNCHER = str(Path(__file__).with_name("_launcher.py"))
@@ -49,6 +50,7 @@ _STEPS = {
     "private_root": "a private root file system (pivot_root)",
     "private_proc": "a /proc of its own",
     "uid": "a uid of its own (root is needed to switch to it)",
+    "seccomp": "a seccomp filter (no namespaces, keyrings or mounts of its own)",
 }
 
 
@@ -225,13 +227,17 @@ def _read_info(fd: int) -> dict[str, Any]:
     return info
 
 
-def _isolation(setup: dict[str, Any], uid: int | None) -> tuple[str, ...]:
+def _isolation(
+    setup: dict[str, Any], uid: int | None, cgroup: MemoryCgroup | None
+) -> tuple[str, ...]:
     steps = ("netns", "pidns", "mountns", "ipcns", "private_root", "private_proc", "tmpfs_workdir")
-    names = [k for k in (*steps, "readonly_fs") if setup.get(k)]
+    names = [k for k in (*steps, "readonly_fs", "ipc_capped", "seccomp") if setup.get(k)]
     if not setup.get("netns"):
         names.append("socket_guard")
     if uid is not None:
         names.append("uid")
+    if cgroup is not None and setup.get("memory_cgroup"):
+        names.append(f"memory_cgroup_v{cgroup.version}")
     return (*names, "rlimits", "session")
 
 
@@ -298,7 +304,12 @@ class Sandbox:
             _rmtree(workdir)
 
     def _launcher_config(
-        self, workdir: str, limits: SandboxLimits, uid: int | None, info_fd: int
+        self,
+        workdir: str,
+        limits: SandboxLimits,
+        uid: int | None,
+        info_fd: int,
+        cgroup: MemoryCgroup | None,
     ) -> dict[str, Any]:
         nproc = limits.max_processes
         if uid is None:
@@ -321,6 +332,7 @@ class Sandbox:
             "extra_paths": self.extra_paths,
             "allow_weak": self.allow_weak,
             "unavailable": self._unavailable,
+            "cgroup_procs": cgroup.procs if cgroup is not None else None,
         }
 
     def _interpreter_dirs(self) -> list[str]:
@@ -343,20 +355,52 @@ class Sandbox:
         info_w: int,
     ) -> SandboxResult:
         start = time.monotonic()
+        cgroup = None
+        if uid is not None and "memory_cgroup" not in self._unavailable:
+            cgroup = make_memory_cgroup(limits.memory_mb << 20)
         try:
-            cfg = self._launcher_config(workdir, limits, uid, info_w)
+            return await self._supervise(workdir, stdin, limits, uid, info_r, info_w, cgroup, start)
+        finally:
+            if cgroup is not None:
+                cgroup.remove()
+
+    async def _supervise(
+        self,
+        workdir: str,
+        stdin: str,
+        limits: SandboxLimits,
+        uid: int | None,
+        info_r: int,
+        info_w: int,
+        cgroup: MemoryCgroup | None,
+        start: float,
+    ) -> SandboxResult:
+        cfg_r, cfg_w = os.pipe()
+        try:
+            # The config goes on a pipe, not argv: /proc/1/cmdline inside shows nothing of it.
+            cfg = json.dumps(self._launcher_config(workdir, limits, uid, info_w, cgroup)).encode()
+            if (
+                len(cfg) >= 65536
+            ):  # it must fit the pipe's buffer, written before the launcher reads
+                raise SandboxError(f"the sandbox's config is too large ({len(cfg)} bytes)")
+            os.write(cfg_w, cfg)
+            os.close(cfg_w)
+            cfg_w = -1
             proc = subprocess.Popen(
-                [self.python, "-I", _LAUNCHER, json.dumps(cfg)],
+                [self.python, "-I", _LAUNCHER, str(cfg_r)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # its own process group: one killpg reaches the whole tree
-                pass_fds=(info_w,),
+                pass_fds=(info_w, cfg_r),
                 cwd=workdir,
                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
             )
         finally:
-            os.close(info_w)  # the launcher holds its copy
+            os.close(info_w)  # the launcher holds its copies
+            os.close(cfg_r)
+            if cfg_w >= 0:
+                os.close(cfg_w)
         assert proc.stdin and proc.stdout and proc.stderr
         pgid = proc.pid
         outcome = _Outcome()
@@ -409,6 +453,12 @@ class Sandbox:
         end = info.get("end", {})
         exit_code = end.get("exit_code")
         status, reason = _classify(exit_code, end.get("cpu_s", 0.0), stderr, outcome, limits)
+        if cgroup is not None and status not in ("timeout", "output_limit") and cgroup.oom_kills():
+            status = "memory"
+            reason = (
+                f"memory limit of {limits.memory_mb} MiB reached (the run's memory cgroup, which "
+                "counts shared memory and memfd pages too); killed"
+            )
         if "end" in info and "ready" not in info:
             # The user process failed before the program started (e.g. setuid refused).
             raise SandboxError(f"sandbox setup failed: {stderr.decode(errors='replace')[-2000:]}")
@@ -422,7 +472,7 @@ class Sandbox:
             wall_s=wall_s,
             contained=pipes_closed and not _survivors(pgid, uid),
             reason=reason,
-            isolation=_isolation(info.get("setup", {}), uid),
+            isolation=_isolation(info.get("setup", {}), uid, cgroup),
         )
 
 
