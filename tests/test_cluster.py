@@ -184,7 +184,9 @@ def test_a_cpu_head_and_worker_nodes_run_the_quickstart_where_the_layout_says(tm
     cluster.add_worker(2, "r1", "w1")
     cluster.wait_for_cpus(4)
     run = tmp_path / "run"
-    proc = _miles_run(cluster, run)
+    # Where the actors go and that weights cross nodes exactly: a short run says it (learning
+    # itself is the quickstart's own test).
+    proc = _miles_run(cluster, run, "steps=6", "warmstart.steps=5", "eval.data=null")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-4000:]
 
@@ -206,11 +208,11 @@ def test_a_cpu_head_and_worker_nodes_run_the_quickstart_where_the_layout_says(tm
     }
     assert '"event": "placement"' in (run / "events.jsonl").read_text()
 
-    metrics = read_jsonl(run / "metrics.jsonl")
-    steps = [m for m in metrics if "rollout/reward_mean" in m]
-    evals = [m["eval/reward_mean"] for m in metrics if "eval/reward_mean" in m]
-    assert len(steps) == 30 and all(m["train/rollout_logprob_abs_diff"] < 1e-4 for m in steps)
-    assert steps[0]["rollout/reward_mean"] < 0.3 and evals[-1] >= 0.6, (steps[0], evals)
+    # Every step's samples were generated with the weights the trainers had just sent across
+    # nodes (the engines' logprobs are the trainers' own), and those weights changed each step.
+    steps = [m for m in read_jsonl(run / "metrics.jsonl") if "rollout/reward_mean" in m]
+    assert len(steps) == 6 and all(m["train/rollout_logprob_abs_diff"] < 1e-4 for m in steps)
+    assert all(m["train/grad_norm"] > 0 for m in steps), steps
 
 
 def _faults(run: Path, kind: str) -> list[dict[str, Any]]:
