@@ -39,6 +39,14 @@ async def char_count(response, sample):
     return min(len(response), 16) / 16
 
 
+async def slow_vowels(response, sample):
+    """vowel_fraction, a second late: a step that takes long enough to be interrupted in."""
+    import asyncio
+
+    await asyncio.sleep(1.0)
+    return await vowel_fraction(response, sample)
+
+
 async def flaky(response, sample):
     """Raises for every other sample: a reward with a bug."""
     if sample.sample_id % 2:

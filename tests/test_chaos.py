@@ -57,7 +57,7 @@ def _quickstart(run_dir: Path, mode: str, harmed: bool) -> Path:
         proc = subprocess.Popen(
             [*MILES, "run", "quickstart", "--run-dir", str(run_dir), *args],
             env=env,
-            stdout=subprocess.DEVNULL,
+            stdout=stderr,  # the run's summary is on stdout, its log on stderr: one file
             stderr=stderr,
             start_new_session=True,  # the monkey kills only this run's processes
         )

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,15 @@ from typing import Any
 
 import pytest
 
-from .conftest import MILES, TEST_MODULES, read_jsonl, run_miles, write_config
+from .conftest import (
+    MILES,
+    TEST_MODULES,
+    _test_env,
+    read_jsonl,
+    run_miles,
+    shared_ray,
+    write_config,
+)
 
 # End-to-end runs: each test's own time limit (the suite's default is for unit tests).
 pytestmark = pytest.mark.timeout(600)
@@ -303,7 +312,7 @@ def test_with_nothing_to_restore_a_train_loss_fails_unless_base_is_allowed(
         assert proc.returncode == 0, proc.stderr[-4000:]
         [restored] = _fault_events(run_dir, "train_restarted")
         assert restored["lost_training"] is True and restored["restored"] == "the base model"
-        assert "faults survived: 1 train restart" in proc.stderr
+        assert "faults survived: 1 train restart" in proc.stdout  # the run's summary
 
 
 def test_an_engine_killed_in_a_weight_sync_is_replaced_and_the_sync_redone(
@@ -427,6 +436,93 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(
     _assert_every_sample_once(run_dir, steps)
 
 
+def _interrupted_run(cfg: Path, run_dir: Path, presses: int) -> tuple[int, list[str]]:
+    """`miles run CFG` on the shared Ray, Ctrl-C'd `presses` times (to its process group, as a
+    terminal does) once its first step is in metrics.jsonl, a later press once the run has said
+    it heard the one before: (exit code, stderr lines)."""
+    env = {**_test_env(), "RAY_AUTH_MODE": "token"}
+    args = [*MILES, "run", str(cfg), "--run-dir", str(run_dir), "--ray-address", shared_ray()]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.is_file() and read_jsonl(metrics)):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.02)
+        for press in range(presses):
+            if press:  # two presses before the run handles one would arrive as one signal
+                while not any(x.startswith("interrupt: ") for x in lines):
+                    assert time.monotonic() < deadline, "".join(lines)[-3000:]
+                    time.sleep(0.01)
+            os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=300)
+        reader.join(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, [x.rstrip("\n") for x in lines]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_the_printed_command_resumes_exactly(
+    tmp_path: Path, tiny_assets: dict[str, str], whole_sync: Path
+) -> None:
+    """The audit: Ctrl-C printed a resume command that failed (no checkpoint: the run saves one
+    only at its end), and the report called the run finished. Now the first Ctrl-C finishes the
+    step in flight, checkpoints it and stops; the printed command resumes it, and the whole
+    equals a run never interrupted."""
+    cfg = write_config(tmp_path / "run.yaml", tiny_assets, steps=WHOLE_STEPS)  # no checkpoint.every
+    run_dir = tmp_path / "run"
+    code, err = _interrupted_run(cfg, run_dir, presses=1)
+    assert code == 130, err[-30:]
+    done = len(read_jsonl(run_dir / "metrics.jsonl"))
+    assert 1 <= done < WHOLE_STEPS, "interrupted too late to test anything"
+    # Each message on a line of its own, and the checkpoint of the last step there.
+    assert any(line.startswith("interrupt: finishing step ") for line in err), err[-30:]
+    assert f"interrupted after step {done} of {WHOLE_STEPS}; checkpoint saved: " in "\n".join(err)
+    command = next(line for line in err if line.startswith("resume with: "))
+    assert command == f"resume with: miles run --resume --run-dir {run_dir}"
+    assert (run_dir / "checkpoints" / f"step_{done - 1}" / "state.json").is_file()
+    [event] = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "run interrupted"]
+    assert event["steps_done"] == done and event["steps"] == WHOLE_STEPS
+    report = run_miles("report", str(run_dir))
+    assert report.returncode == 0, report.stderr[-3000:]
+    page = (run_dir / "report" / "index.html").read_text()
+    assert "badge interrupted" in page and f"stopped by Ctrl-C after step {done}" in page
+
+    resumed = run_miles(*command.removeprefix("resume with: miles ").split())
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    expected = [_comparable(r) for r in read_jsonl(whole_sync / "metrics.jsonl")]
+    got = [_comparable(r) for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in got] == list(range(WHOLE_STEPS))
+    for want, have in zip(expected, got, strict=True):
+        for key in want:
+            assert have[key] == pytest.approx(want[key], abs=1e-6, rel=0), (want["step"], key)
+
+
+def test_a_second_ctrl_c_stops_at_once_and_says_what_was_lost(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    slow = {"name": "miles_test_rewards:slow_vowels"}  # a step of a second or more
+    cfg = write_config(tmp_path / "run.yaml", tiny_assets, steps=WHOLE_STEPS, reward=slow)
+    run_dir = tmp_path / "run"
+    code, err = _interrupted_run(cfg, run_dir, presses=2)
+    assert code == 130, err[-30:]
+    said = "\n".join(err)
+    assert "stopped at once after step " in said and "was in flight and is lost" in said, said
+    assert "no checkpoint was saved: start again with another --run-dir" in said, said
+    assert "Traceback" not in said, said[-3000:]
+    events = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "run interrupted"]
+    assert events and events[-1]["at_once"] is True
+
+
 def test_resume_skips_a_corrupt_checkpoint(tmp_path: Path, whole_sync: Path) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(whole_sync, run_dir)  # checkpoints step_3 and step_4 (keep_last 2)
@@ -441,8 +537,8 @@ def test_resume_skips_a_corrupt_checkpoint(tmp_path: Path, whole_sync: Path) -> 
     skipped = f"step_{WHOLE_STEPS - 1}"
     assert (
         f"resumed from step_{WHOLE_STEPS - 2}, skipping {skipped} (sha256 mismatch in "
-        "train/model.safetensors): 1 step trained again" in proc.stderr
-    ), proc.stderr[-3000:]
+        "train/model.safetensors): 1 step trained again" in proc.stdout
+    ), proc.stdout[-3000:]
     [event] = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("fault")]
     assert event["fault"] == "checkpoint_skipped" and event["steps_lost"] == 1
     report = run_miles("report", str(run_dir))

@@ -154,3 +154,35 @@ def test_progress_bar_shows_reward_step_time_and_eta(monkeypatch: pytest.MonkeyP
     last = stream.getvalue().replace("\r", "\n").strip().splitlines()[-1]
     assert "2/4" in last and "reward=0.500" in last and "step_s=1.50" in last
     assert re.search(r"\d\d:\d\d<\d\d:\d\d", last), last  # elapsed<remaining: the ETA
+
+
+def test_an_otlp_endpoint_without_a_collector_is_said_once(tmp_path: Path) -> None:
+    """The audit: an OTLP endpoint with no collector printed a dozen retry lines per batch."""
+    from miles.core.runtime.process import free_port
+
+    program = f"""
+from pathlib import Path
+from opentelemetry import trace
+from miles.core.logsetup import configure_logging
+from miles.core.observability import configure_tracing, shutdown_tracing
+configure_logging("json", "info")
+provider = configure_tracing(Path({str(tmp_path)!r}))
+tracer = trace.get_tracer("probe")
+for i in range(5):
+    with tracer.start_as_current_span(f"span{{i}}"):
+        pass
+    provider.force_flush()
+shutdown_tracing()
+"""
+    env = {
+        **os.environ,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",  # nothing listens
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "2",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "OTLP collector unreachable" in lines[0], lines
+    assert len((tmp_path / "traces.jsonl").read_text().splitlines()) == 5  # every span kept

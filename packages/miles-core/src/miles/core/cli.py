@@ -15,6 +15,12 @@ from typing import Any
 
 import click
 
+# Not a terminal (a pipe, a file, CI): no progress bars (ours, transformers', the hub's) glued
+# into the log lines; `miles run` logs a plain `step` line instead. tqdm reads TQDM_* once, when
+# it is imported, so this comes before anything imports it; the run's actors inherit it.
+if not sys.stderr.isatty():
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
 from miles.core import __version__
 from miles.core.components import ComponentConflictError, ComponentNotFoundError, Kind
 from miles.core.plugins import PluginManager, get_plugin_manager

@@ -2,8 +2,11 @@
 
 Library code only calls `structlog.get_logger()`; this module decides where lines go.
 
-* Human-readable on a TTY, JSON lines otherwise (or as forced by ``--log-format``).
-* Lines logged inside a span carry its ``trace_id`` and ``span_id``.
+* Human-readable on a TTY, JSON lines otherwise (or as forced by ``--log-format``). A human line
+  is short: time, level, message and its values, without the span ids, and with long values
+  (a run's layout) cut down; the full line is in ``events.jsonl``. A line logged with
+  ``_quiet=True`` (progress detail, e.g. each warm-start loss) goes to events.jsonl only.
+* Lines logged inside a span carry its ``trace_id`` and ``span_id`` (in JSON and events.jsonl).
 * With a run directory, every line is also appended as JSON to ``events.jsonl``.
 * Warnings and errors logged through the standard `logging` module (transformers, Ray, torch...)
   and Python `warnings` go the same way, so they too carry the span they happened in.
@@ -16,6 +19,7 @@ import logging
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -41,7 +45,7 @@ class _EventsFile:
         self._lock = threading.Lock()
 
     def __call__(self, _: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
-        line = json.dumps(event_dict, default=str)
+        line = json.dumps({k: v for k, v in event_dict.items() if k != "_quiet"}, default=str)
         with self._lock:
             self._file.write(line + "\n")
             self._file.flush()
@@ -57,6 +61,52 @@ def _without_ansi(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]
         if isinstance(value, str) and "\x1b" in value:
             event_dict[key] = _ANSI.sub("", value)
     return event_dict
+
+
+def _drop_quiet(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    if event_dict.pop("_quiet", False):
+        raise structlog.DropEvent
+    return event_dict
+
+
+# Kept in JSON and events.jsonl; a person at a terminal has no use for them.
+_MACHINE_KEYS = frozenset({"trace_id", "span_id", "timestamp", "pid"})
+_LEVEL_COLOURS = {"warning": "\x1b[33m", "error": "\x1b[31m", "critical": "\x1b[31m"}
+_LONGEST_VALUE = 80
+
+
+class HumanLines:
+    """`HH:MM:SS level message key=value ...`, one line, for a person at a terminal."""
+
+    def __init__(self, colours: bool) -> None:
+        self.colours = colours
+
+    def __call__(self, _: Any, __: str, event_dict: dict[str, Any]) -> str:
+        level = str(event_dict.pop("level", "info"))
+        message = str(event_dict.pop("event", ""))
+        clock = time.strftime("%H:%M:%S")  # local time, when the line is written
+        exception = event_dict.pop("exception", None)
+        pairs = " ".join(
+            f"{key}={_short(value)}"
+            for key, value in event_dict.items()
+            if key not in _MACHINE_KEYS and value is not None
+        )
+        tag = f"{level:<7}"
+        if self.colours and level in _LEVEL_COLOURS:
+            tag = f"{_LEVEL_COLOURS[level]}{tag}\x1b[0m"
+        line = f"{clock} {tag} {message}" + (f"  {pairs}" if pairs else "")
+        return line + (f"\n{exception}" if exception else "")
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if isinstance(value, str) and (" " in value or not value):
+        text = json.dumps(value)
+    if len(text) > _LONGEST_VALUE:
+        if isinstance(value, list | tuple | dict):
+            return f"<{len(value)} items; see events.jsonl>"
+        return text[: _LONGEST_VALUE - 1] + "…"
+    return text
 
 
 def _without_traceback(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
@@ -104,8 +154,9 @@ def configure_logging(
         processors.append(_EventsFile(events_path))
         # The traceback is in events.jsonl; the console keeps the one-line message.
         processors.append(_without_traceback)
+    processors.append(_drop_quiet)
     if fmt == "console":
-        processors.append(structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+        processors.append(HumanLines(colours=sys.stderr.isatty()))
     else:
         processors.append(structlog.processors.JSONRenderer())
     _route_stdlib_logging()

@@ -9,12 +9,15 @@ OTLP exporter when the standard ``OTEL_EXPORTER_OTLP_*`` variables are set.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import structlog
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -52,6 +55,54 @@ class JsonlSpanExporter(SpanExporter):
             self._file.close()
 
 
+class QuietWhenDown(SpanExporter):
+    """An exporter to a collector that may not be there. The OTLP exporter retries and logs each
+    failure (a dozen lines per batch with no collector); this one says once that the collector is
+    unreachable, drops batches without trying for `retry_s`, then tries again, and says when
+    exporting works again. traces.jsonl keeps every span either way."""
+
+    def __init__(self, inner: SpanExporter, endpoint: str, retry_s: float = 60.0) -> None:
+        self.inner, self.endpoint, self.retry_s = inner, endpoint, retry_s
+        self._down_until: float | None = None  # monotonic; None: up (or not known down)
+        self._said_down = False
+        # Its own retry and failure lines: what we say instead is below.
+        logging.getLogger("opentelemetry.exporter.otlp").setLevel(logging.CRITICAL)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        now = time.monotonic()
+        if self._down_until is not None and now < self._down_until:
+            return SpanExportResult.FAILURE
+        try:
+            result = self.inner.export(spans)
+        except Exception:  # a broken exporter must not break the run
+            result = SpanExportResult.FAILURE
+        if result is SpanExportResult.SUCCESS:
+            if self._said_down:
+                structlog.get_logger().info(
+                    "OTLP collector reachable again", endpoint=self.endpoint
+                )
+            self._down_until, self._said_down = None, False
+        else:
+            if not self._said_down:
+                structlog.get_logger().warning(
+                    "OTLP collector unreachable: spans go to traces.jsonl only; retrying quietly "
+                    f"every {self.retry_s:g} s",
+                    endpoint=self.endpoint,
+                )
+            self._down_until, self._said_down = time.monotonic() + self.retry_s, True
+        return result
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+def _otlp_endpoint() -> str:
+    return next((os.environ[v] for v in reversed(_OTLP_VARS) if os.environ.get(v)), "?")
+
+
 def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
     ctx = span.get_span_context()
     parent = span.parent
@@ -80,7 +131,8 @@ def configure_tracing(run_dir: Path | None, service_name: str = "miles") -> Trac
             # The standard exporter reads endpoint, headers and timeout from the OTEL_* variables.
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            exporter = QuietWhenDown(OTLPSpanExporter(), _otlp_endpoint())
+            _provider.add_span_processor(BatchSpanProcessor(exporter))
         trace.set_tracer_provider(_provider)
     if run_dir is not None:
         _provider.add_span_processor(

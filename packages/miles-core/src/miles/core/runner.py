@@ -5,6 +5,7 @@ Every check that can fail on user input happens here, before Ray or any worker s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -28,8 +29,9 @@ from miles.core.plan_table import format_plan
 from miles.core.planner import PlanError, UnsizedModel, plan
 from miles.core.plugins import get_plugin_manager
 from miles.core.recipe import Recipe
-from miles.core.rundir import default_run_dir, write_config, write_manifest
+from miles.core.rundir import default_run_dir, list_checkpoints, write_config, write_manifest
 from miles.core.runtime.controller import Controller
+from miles.core.runtime.interrupts import RunInterrupted
 from miles.core.runtime.process import dump_stacks_on_sigusr1, private_ray_token
 from miles.core.runtime.prompts import PromptEncoder
 from miles.core.runtime.rollout_manager import load_tokenizer
@@ -218,6 +220,36 @@ def check_data(config: RunConfig) -> None:
         )
 
 
+def _stopped_at_once(run_dir: Path, steps_done: int, steps: int) -> None:
+    """A second Ctrl-C (or one before the first step): what was lost and what to do now."""
+    saved = list_checkpoints(run_dir)
+    log.warning(
+        "run interrupted",
+        steps_done=steps_done,
+        steps=steps,
+        checkpoint=str(saved[-1][1]) if saved else None,
+        at_once=True,
+    )
+    click.echo("", err=True)  # off the progress bar's line
+    if steps_done == 0:
+        said = "stopped at once, before the first step finished"
+    else:
+        said = f"stopped at once after step {steps_done} of {steps}"
+        if steps_done < steps:
+            said += f"; step {steps_done + 1} was in flight and is lost"
+    click.secho(said, fg="yellow", err=True)
+    if saved:
+        click.echo(
+            f"resume with: miles run --resume --run-dir {run_dir} (from {saved[-1][1].name})",
+            err=True,
+        )
+    else:
+        click.echo(
+            f"no checkpoint was saved: start again with another --run-dir (or delete {run_dir})",
+            err=True,
+        )
+
+
 def _yaml_scalar(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...")
 
@@ -267,8 +299,17 @@ def run_from_cli(request: RunRequest) -> int:
     log.info("run started", run_dir=str(run_dir), run_id=controller.info.run_id)
     try:
         result = controller.run()
+    except RunInterrupted as stop:
+        click.secho(
+            f"interrupted after step {stop.steps_done} of {stop.steps}; checkpoint saved: "
+            f"{stop.checkpoint}",
+            fg="yellow",
+            err=True,
+        )
+        click.echo(f"resume with: miles run --resume --run-dir {run_dir}", err=True)
+        return 130
     except KeyboardInterrupt:
-        click.secho(f"interrupted; resume with: miles run --resume --run-dir {run_dir}", err=True)
+        _stopped_at_once(run_dir, controller.done_through + 1, config.steps)
         return 130
     except Exception as exc:
         # The error is reported here, once: results the failed run left unread would each print
@@ -288,19 +329,31 @@ def run_from_cli(request: RunRequest) -> int:
         for k, v in result.final_metrics.items()
         if k.startswith(("eval/", "rollout/reward_mean", "weights/version", "data/"))
     }
-    click.echo(f"run finished: {run_dir}", err=True)
-    for key, value in sorted(summary.items()):
-        click.echo(f"  {key}: {value}", err=True)
-    click.echo(f"  {faults_survived(result.final_metrics)}", err=True)
+    resumed = []
     for skipped in controller.skipped_checkpoints:
         assert controller.resume_from is not None
         lost = skipped.step - controller.resume_from[0]
-        click.echo(
-            f"  resumed from step_{controller.resume_from[0]}, skipping {skipped.path.name} "
-            f"({skipped.problem}): {lost} step{'' if lost == 1 else 's'} trained again",
-            err=True,
+        resumed.append(
+            f"resumed from step_{controller.resume_from[0]}, skipping {skipped.path.name} "
+            f"({skipped.problem}): {lost} step{'' if lost == 1 else 's'} trained again"
         )
+    faults = faults_survived(result.final_metrics)
+    # The summary is the run's result: stdout (the log lines are on stderr).
+    if _json_logs(request.log_format):
+        record = {"event": "run finished", "run_dir": str(run_dir), "metrics": summary}
+        click.echo(json.dumps({**record, "faults": faults, "resumed": resumed}))
+        return 0
+    click.echo(f"run finished: {run_dir}")
+    for key, value in sorted(summary.items()):
+        click.echo(f"  {key}: {value}")
+    click.echo(f"  {faults}")
+    for line in resumed:
+        click.echo(f"  {line}")
     return 0
+
+
+def _json_logs(log_format: str) -> bool:
+    return log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
 
 
 # (metric, what one of it is called) of the faults a run survives

@@ -58,6 +58,7 @@ h2 { font-size: 18px; margin: 28px 0 8px; border-bottom: 1px solid #ddd; padding
 .finished { background: #dcefdc; color: #1d5e1d; }
 .failed { background: #f6d5d5; color: #8a1c1c; }
 .running { background: #fbecc8; color: #7a5300; }
+.interrupted { background: #ececec; color: #444; }
 .survived { background: #dde8f5; color: #1f4e79; }
 .cols { display: flex; gap: 32px; flex-wrap: wrap; align-items: flex-start; }
 table { border-collapse: collapse; font-size: 13px; }

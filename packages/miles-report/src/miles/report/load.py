@@ -74,6 +74,8 @@ class RunData:
     last_write: float | None  # newest mtime of the run's files (epoch seconds)
     notes: list[str] = field(default_factory=list)
     faults: list[FaultEvent] = field(default_factory=list)  # in file order
+    # The "run interrupted" event of the latest start (Ctrl-C), if it has one.
+    interrupted: Mapping[str, Any] | None = None
 
     @property
     def name(self) -> str:
@@ -166,7 +168,19 @@ def load_run(run_dir: Path) -> RunData:
         last_write=max(mtimes) if mtimes else None,
         notes=notes,
         faults=faults,
+        interrupted=_interrupted(events.rows),
     )
+
+
+def _interrupted(rows: list[dict[str, Any]]) -> Mapping[str, Any] | None:
+    """The last "run interrupted" event, unless the run was started (resumed) again after it."""
+    found = None
+    for row in rows:
+        if row.get("event") == "run started":
+            found = None
+        elif row.get("event") == "run interrupted":
+            found = row
+    return found
 
 
 def seconds_since(epoch_s: float | None) -> float | None:

@@ -10,7 +10,7 @@ from typing import Literal
 
 from miles.report.load import RunData, Span, seconds_since
 
-State = Literal["finished", "failed", "running"]
+State = Literal["finished", "failed", "interrupted", "running"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,16 @@ def run_status(run: RunData) -> RunStatus:
     runs = [s for s in run.spans if s.name == "miles.run" and s.end_ns is not None]
     last_start = max((s.start_ns for s in run.spans), default=0)
     final = max(runs, key=lambda s: s.start_ns, default=None)
+    if run.interrupted is not None:
+        done_n = run.interrupted.get("steps_done", len(done))
+        saved = run.interrupted.get("checkpoint")
+        what = f"a checkpoint of it is {saved}" if saved else "no checkpoint was saved"
+        return RunStatus(
+            "interrupted",
+            len(done),
+            planned,
+            f"stopped by Ctrl-C after step {done_n}; {what} (miles run --resume continues it)",
+        )
     if final is not None and final.end_ns is not None and final.end_ns >= last_start:
         seconds = (final.end_ns - final.start_ns) / 1e9
         if final.status == "ERROR":

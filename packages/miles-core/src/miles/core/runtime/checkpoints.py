@@ -42,6 +42,10 @@ def save(
         }
         (tmp / "state.json").write_text(json.dumps(state) + "\n")
     prune_checkpoints(run_dir, cfg.keep_last, cfg.keep_every)
+    return step_dir(run_dir, step)
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step}"
 
 

@@ -33,6 +33,7 @@ from miles.core.planner import colocated_offload
 from miles.core.plugins import get_plugin_manager
 from miles.core.rundir import SkippedCheckpoint, drop_rows_after, scan_checkpoints
 from miles.core.runtime import checkpoints
+from miles.core.runtime.interrupts import GracefulInterrupt, RunInterrupted
 from miles.core.runtime.metric_log import MetricLog
 from miles.core.runtime.placement import Placement, cluster_gpu_memory_gb, start_ray
 from miles.core.runtime.progress import Progress
@@ -326,12 +327,19 @@ class Controller:
                     self.metrics.log(0, self.evaluate(0))
                 progress = Progress(cfg.steps, start, enabled=cfg.telemetry.progress)
                 self.loop_start, self.eval_s = time.perf_counter(), 0.0
-                for step in range(start, cfg.steps):
-                    final = self.one_step(step)
-                    progress.update(final)
-                    if self._checkpoint_due(step):
-                        self._retrying("checkpoint", lambda s=step: self.checkpoint(s))
-                progress.close()
+                interrupt = GracefulInterrupt(progress.write, lambda: self.step + 1)
+                try:
+                    with interrupt:
+                        for step in range(start, cfg.steps):
+                            final = self.one_step(step)
+                            progress.update(final)
+                            last = step == cfg.steps - 1
+                            if self._checkpoint_due(step) or (interrupt.requested and not last):
+                                self._retrying("checkpoint", lambda s=step: self.checkpoint(s))
+                            if interrupt.requested and not last:
+                                raise self._interrupted(step)
+                finally:
+                    progress.close()
                 if (
                     cfg.steps
                     and cfg.checkpoint.at_end
@@ -346,7 +354,7 @@ class Controller:
             # The summary counts every engine fault of the run, also one after the last batch.
             final = {**final, **ray.get(self.engines.fault_counts.remote())}
             return RunResult(self.run_dir, cfg.steps, final)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, RunInterrupted):
             status = "interrupted"
             raise
         except Exception as exc:
@@ -360,6 +368,14 @@ class Controller:
             self.snapshots.close()
             if ray.is_initialized():
                 self._flush_actor_traces()
+
+    def _interrupted(self, step: int) -> RunInterrupted:
+        """Stopping at a person's request after `step` (checkpointed): said in the events."""
+        checkpoint = str(checkpoints.step_dir(self.run_dir, step))
+        log.warning(
+            "run interrupted", steps_done=step + 1, steps=self.config.steps, checkpoint=checkpoint
+        )
+        return RunInterrupted(step + 1, self.config.steps, checkpoint)
 
     def _checkpoint_due(self, step: int) -> bool:
         every = self.config.checkpoint.every

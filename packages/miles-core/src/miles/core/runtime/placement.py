@@ -290,7 +290,7 @@ class Placement:
             engine_at = train_at[:n_engines]  # engine i shares train rank i's GPU
         share = 0.5 if colocated else 1.0
         layout = describe_layout(infos, train_at, engine_at)
-        log.info("placement", mode=config.placement, layout=layout)
+        log.info("placement", mode=config.placement, where=where(layout), layout=layout)
 
         threads = None if gpus else cpu_threads_per_actor(n_train + n_engines)
         device = "cuda" if gpus else "cpu"
@@ -381,3 +381,20 @@ def _check_capacity(bundles: list[dict[str, int]]) -> None:
 
 def _address() -> tuple[str, int]:
     return node_address(), free_port()
+
+
+def where(layout: list[dict[str, Any]]) -> str:
+    """The layout in a few words: `train 0-1 on 10.0.0.5 GPU 0,1; engine 0 on 10.0.0.6`."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for slot in layout:
+        gpus = ",".join(str(g) for g in slot.get("gpus") or ())
+        at = f"{slot.get('node_ip', '?')}" + (f" GPU {gpus}" if gpus else "")
+        groups.setdefault((slot["role"], at), []).append(int(slot["rank"]))
+    parts = []
+    for (role, at), ranks in groups.items():
+        ranks.sort()
+        span = str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+        if ranks != list(range(ranks[0], ranks[-1] + 1)):
+            span = ",".join(map(str, ranks))
+        parts.append(f"{role} {span} on {at}")
+    return "; ".join(parts)

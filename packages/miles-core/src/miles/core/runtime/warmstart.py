@@ -43,9 +43,15 @@ def warm_start(ws: WarmstartConfig, trainers: TrainGroup, rollout: Any) -> int:
             lost_training=False,
         )
 
+    first_loss = None
     for i in range(ws.steps):
         batches.append(rollout.sft_batch.remote(ws.batch_size))
         metrics = retrying(f"warm-start step {i}", functools.partial(step, i), recover)
+        loss = round(metrics["train/loss"], 4)
+        first_loss = loss if first_loss is None else first_loss
         if i == 0 or (i + 1) % 10 == 0 or i + 1 == ws.steps:
-            log.info("warm-start step", step=i + 1, loss=round(metrics["train/loss"], 4))
+            # Progress detail: events.jsonl keeps it; the console gets the summary below.
+            log.info("warm-start step", step=i + 1, loss=loss, _quiet=True)
+    if ws.steps:
+        log.info("warm-start done", steps=ws.steps, loss=loss, first_loss=first_loss)
     return redone
