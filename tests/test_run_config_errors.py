@@ -95,3 +95,25 @@ def test_unknown_recipe_or_missing_file(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "did you mean 'quickstart'" in proc.stderr
     proc = run_miles("run", str(tmp_path / "nope.yaml"), timeout=60)
     assert proc.returncode != 0 and "config file not found" in proc.stderr
+
+
+def test_a_hub_model_that_cannot_be_fetched_is_said_before_launch(
+    tmp_path: Path, tiny_assets: dict[str, str]
+) -> None:
+    """The audit: `miles run qwen3-0.6b-gsm8k-grpo` on a machine without the hub failed inside an
+    actor with a connection error, after Ray started."""
+    from miles.core.runtime.process import free_port
+
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_assets, model={"path": "Qwen/Qwen3-0.6B"})
+    env = {
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "0",
+        "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}",  # nothing listens
+    }
+    proc = run_miles("run", str(cfg), "--run-dir", str(tmp_path / "run"), env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        "'Qwen/Qwen3-0.6B' is not a local checkpoint nor in the Hugging Face cache" in proc.stderr
+    )
+    assert "huggingface-cli download Qwen/Qwen3-0.6B" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

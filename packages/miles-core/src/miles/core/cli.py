@@ -214,17 +214,30 @@ def recipes() -> None:
 @recipes.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 def recipes_list(as_json: bool) -> None:
-    """Every installed recipe, with its model and layout."""
+    """Every installed recipe: its model, where it runs, and whether `miles run` would start it
+    here (everything it needs installed and supported in this release); if not, why."""
     from miles.core.recipe import describe
+    from miles.core.runner import recipe_problems
 
     manager = _manager()
-    items = [describe(c) for c in manager.registry.all() if c.kind == Kind.RECIPE]
+    items = [describe(c, recipe_problems) for c in manager.registry.all() if c.kind == Kind.RECIPE]
     if as_json:
         click.echo(json.dumps(items, indent=2))
         return
-    rows = [("NAME", "MODEL", "GPUS", "PROVIDED BY", "SUMMARY")]
-    rows += [(i["name"], i["model"], str(i["gpus"]), i["provided_by"], i["summary"]) for i in items]
+    rows = [("NAME", "MODEL", "RUNS ON", "READY", "PROVIDED BY", "SUMMARY")]
+    rows += [
+        (i["name"], i["model"], i["runs_on"], "no" if i["problems"] else "yes",
+         i["provided_by"], i["summary"])
+        for i in items
+    ]  # fmt: skip
     _print_table(rows)
+    blocked = [i for i in items if i["problems"]]
+    if blocked:
+        click.echo("\nnot ready here (miles run would stop before launch):")
+        for item in blocked:
+            first, more = item["problems"][0], len(item["problems"]) - 1
+            extra = f" (+{more} more: miles run {item['name']} lists them)" if more else ""
+            click.echo(f"  {item['name']}: {first}{extra}")
 
 
 @recipes.command("show")
@@ -261,17 +274,19 @@ def recipes_plan(
             recipe = _load_recipe(target)
             data = dict(recipe.config)
         config = parse(apply_overrides(data, list(overrides)))
-        if not config.model.path and "model.path" in getattr(recipe, "prepares", ()):
-            raise PlanError(
-                f"recipe {target!r} makes its model when it runs (a tiny twin on CPU), so there "
-                "is nothing to plan before; plan a run of it: miles recipes plan "
-                "RUN_DIR/config.yaml"
-            )
+        hf_config = None
+        if recipe is not None and not config.model.path and "model.path" in recipe.prepares:
+            if recipe.model_config is None:
+                raise PlanError(
+                    f"recipe {target!r} makes its model when it runs and does not say its "
+                    "config; plan a run of it instead: miles recipes plan RUN_DIR/config.yaml"
+                )
+            hf_config = recipe.model_config(config)
         mem = parse_memory(gpu_mem) if gpu_mem else None
         if gpus is not None and gpus < 1:
             raise PlanError("--gpus must be at least 1")
         _manager()
-        result = plan(config, gpus=gpus, gpu_mem_gb=mem)
+        result = plan(config, gpus=gpus, gpu_mem_gb=mem, hf_config=hf_config)
     except (ConfigError, PlanError, MemoryParseError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:

@@ -23,7 +23,7 @@ from miles.core.components import ComponentSpec, Kind
 from miles.core.config import RunConfig
 from miles.core.configtools import ConfigError
 from miles.core.factory import built_options
-from miles.core.families import family_named, model_config
+from miles.core.families import family_named, family_of_config, model_config
 from miles.core.family import ModelFamily, ModelShape
 from miles.core.generic_shape import generic_decoder_shape
 from miles.core.memory import (
@@ -174,9 +174,16 @@ def layout_problems(
     return problems
 
 
-def plan(run: RunConfig, *, gpus: int | None = None, gpu_mem_gb: float | None = None) -> Plan:
-    """The plan of `run` (optionally re-laid-out on `gpus` GPUs of `gpu_mem_gb` each)."""
-    found = model_config(run.model.path)
+def plan(
+    run: RunConfig,
+    *,
+    gpus: int | None = None,
+    gpu_mem_gb: float | None = None,
+    hf_config: dict[str, Any] | None = None,
+) -> Plan:
+    """The plan of `run` (optionally re-laid-out on `gpus` GPUs of `gpu_mem_gb` each).
+    `hf_config`: the model's config.json, for a model not made yet (else read at model.path)."""
+    found = (hf_config, family_of_config(hf_config)) if hf_config else model_config(run.model.path)
     if found is None:
         raise UnsizedModel(
             f"model.path {run.model.path!r}: no config.json there, and no installed family knows "

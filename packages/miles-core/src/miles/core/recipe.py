@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -25,6 +25,9 @@ class Recipe:
     keys. It must be idempotent: a resumed run calls it again on the same directory. `requires`
     says which package provides a component the recipe names that may not be installed (e.g.
     ``{"megatron": "the miles-megatron package"}``), for the error a user sees without it.
+    `model_config(config)` is the config.json of the model `prepare` makes, so a recipe whose
+    model is made at run time can be planned before it is made. `runs_on` is where the recipe is
+    sized to run: "cpu" (a laptop) or "gpu" (the GPUs its layout takes).
     """
 
     config: dict[str, Any]
@@ -32,23 +35,33 @@ class Recipe:
     description: str = ""
     prepares: tuple[str, ...] = ()
     requires: dict[str, str] = field(default_factory=dict)
+    model_config: Callable[[RunConfig], dict[str, Any]] | None = None
+    runs_on: Literal["cpu", "gpu"] = "gpu"
 
 
-def describe(component: Component) -> dict[str, Any]:
-    """A recipe's row in `miles recipes list`: its model and how many GPUs its layout takes."""
+def describe(
+    component: Component, problems: Callable[[Recipe], list[str]] | None = None
+) -> dict[str, Any]:
+    """A recipe's row in `miles recipes list`: its model, where it runs (a CPU, or the GPUs its
+    layout takes) and, given `problems` (what would stop `miles run` before launch), whether it
+    can run here and why not."""
     recipe: Recipe = component.spec.factory()
     model = recipe.config.get("model", {}).get("path") or "(made at run time)"
     try:
         gpus: int | str = layout_of(parse(dict(recipe.config))).total_gpus
     except ConfigError:
         gpus = "?"
-    return {
+    row: dict[str, Any] = {
         "name": component.name,
         "model": model,
+        "runs_on": "CPU" if recipe.runs_on == "cpu" else f"{gpus} GPU" + ("" if gpus == 1 else "s"),
         "gpus": gpus,
         "provided_by": component.provider,
         "summary": component.spec.summary,
     }
+    if problems is not None:
+        row["problems"] = problems(recipe)
+    return row
 
 
 def resolved_yaml(recipe: Recipe, overrides: list[str]) -> str:

@@ -160,6 +160,17 @@ def check_config(
     return config
 
 
+def recipe_problems(recipe: Recipe) -> list[str]:
+    """What would stop `miles run RECIPE` here before launch (a component not installed, a
+    feature this release lacks, a backend this machine cannot run); [] when none. Checked from
+    the config alone: nothing is made or downloaded."""
+    try:
+        check_config(dict(recipe.config), recipe.requires, made_later=recipe.prepares)
+    except ConfigError as exc:
+        return list(exc.problems)
+    return []
+
+
 def check_memory(config: RunConfig) -> None:
     """Refuses a layout whose memory plan does not fit the GPUs, showing the plan. Runs when the
     GPU memory is known (planner.gpu_mem_gb, or this machine's GPU) and the model can be sized."""

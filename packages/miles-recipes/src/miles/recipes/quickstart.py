@@ -67,8 +67,22 @@ def prepare(assets: Path, config: RunConfig, *, default_family: str = "qwen3") -
     }
 
 
+def twin_config(config: RunConfig, default_family: str = "qwen3") -> dict[str, Any]:
+    """The config.json of the tiny twin `prepare` makes (for planning before it is made)."""
+    from miles.recipes.twins import twin_config_dict
+
+    return twin_config_dict(config.model.family or default_family)
+
+
 def quickstart() -> Recipe:
-    return Recipe(config=CONFIG, prepare=prepare, description=__doc__ or "", prepares=PREPARES)
+    return Recipe(
+        config=CONFIG,
+        prepare=prepare,
+        description=__doc__ or "",
+        prepares=PREPARES,
+        model_config=twin_config,
+        runs_on="cpu",
+    )
 
 
 # The same task on a tiny Qwen3-MoE (4 experts, top-2), with routing replay on: the engines record
@@ -87,5 +101,10 @@ def prepare_moe(assets: Path, config: RunConfig) -> dict[str, Any]:
 
 def quickstart_moe() -> Recipe:
     return Recipe(
-        config=CONFIG_MOE, prepare=prepare_moe, description=__doc__ or "", prepares=PREPARES
+        config=CONFIG_MOE,
+        prepare=prepare_moe,
+        description=__doc__ or "",
+        prepares=PREPARES,
+        model_config=lambda config: twin_config(config, "qwen3_moe"),
+        runs_on="cpu",
     )

@@ -156,11 +156,46 @@ def prepare_for_gpu(assets: Path, config: RunConfig) -> dict[str, Any]:
     return prepare(assets, config)
 
 
+# SmolLM2-135M-Instruct's config, as transformers reads it from the GGUF (its sizes: what a
+# plan needs before the GGUF is fetched). tests/test_smollm2.py checks it against the file.
+MODEL_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-05,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+}
+
+
+def model_config(config: RunConfig) -> dict[str, Any]:
+    return dict(MODEL_CONFIG)
+
+
 def smollm2_arithmetic_grpo() -> Recipe:
     return Recipe(
-        config=CONFIG, prepare=prepare_for_gpu, description=__doc__ or "", prepares=PREPARES
+        config=CONFIG,
+        prepare=prepare_for_gpu,
+        description=__doc__ or "",
+        prepares=PREPARES,
+        model_config=model_config,
     )
 
 
 def smollm2_arithmetic_cpu() -> Recipe:
-    return Recipe(config=CONFIG_CPU, prepare=prepare, description=__doc__ or "", prepares=PREPARES)
+    return Recipe(
+        config=CONFIG_CPU,
+        prepare=prepare,
+        description=__doc__ or "",
+        prepares=PREPARES,
+        model_config=model_config,
+        runs_on="cpu",
+    )

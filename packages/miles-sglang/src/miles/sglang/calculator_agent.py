@@ -20,6 +20,7 @@ from typing import Any
 from miles.core.config import RunConfig
 from miles.core.recipe import Recipe
 from miles.recipes.quickstart import CONFIG as QUICKSTART
+from miles.recipes.quickstart import twin_config
 from miles.sglang.agents import AgentOutcome, AgentSession
 
 TOOL = "max"
@@ -143,4 +144,6 @@ def quickstart_agent() -> Recipe:
         prepare=prepare,
         description=__doc__ or "",
         prepares=("model.path", "data.path", "eval.data", "warmstart.data"),
+        model_config=twin_config,
+        runs_on="cpu",
     )

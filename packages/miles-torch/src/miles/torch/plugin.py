@@ -102,7 +102,9 @@ def miles_load_tokenizer(model_path: str) -> Any:
 @hookimpl
 def miles_local_checkpoint(model_path: str, gguf_file: str | None) -> str | None:
     from miles.torch import gguf
+    from miles.torch.hub import check_hub_model
 
     if not gguf.is_gguf(model_path, gguf_file):
+        check_hub_model(model_path)  # a hub id that cannot be fetched: said before launch
         return None
     return str(gguf.converted_checkpoint(model_path, gguf_file))
