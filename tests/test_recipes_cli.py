@@ -166,3 +166,25 @@ def test_a_user_family_and_recipe_from_a_plugin(tmp_path: Path) -> None:
     )
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["family"] == "my_llama"
+
+
+def test_plan_works_on_every_recipe_and_list_says_where_each_runs_and_if_it_can() -> None:
+    """The audit: `recipes plan` refused the 5 recipes whose model is made at run time, and
+    `recipes list` showed GPUs for CPU recipes and nothing of which recipes cannot run."""
+    listed = run_miles("recipes", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    items = {i["name"]: i for i in json.loads(listed.stdout)}
+    assert len(items) >= 14
+    for name in items:
+        planned = run_miles("recipes", "plan", name, "--json")
+        assert planned.returncode in (0, 1), (name, planned.stderr[-2000:])  # 1: does not fit
+        assert json.loads(planned.stdout)["peak_gb"] > 0, name
+    for name in ("quickstart", "quickstart-moe", "quickstart-agent", "smollm2-arithmetic-cpu"):
+        assert items[name]["runs_on"] == "CPU", items[name]
+    assert items["qwen3.6-35b-a3b-grpo"]["runs_on"] == "8 GPUs"
+    assert items["quickstart"]["problems"] == []
+    # A frontier recipe this release cannot run says why, the reason `miles run` gives.
+    assert any("quantized_rollout" in p for p in items["glm-5-grpo"]["problems"])
+    table = run_miles("recipes", "list")
+    assert "RUNS ON" in table.stdout and "READY" in table.stdout
+    assert "  glm-5-grpo: precision: " in table.stdout, table.stdout[-3000:]

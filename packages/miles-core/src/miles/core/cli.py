@@ -276,12 +276,7 @@ def recipes_plan(
         config = parse(apply_overrides(data, list(overrides)))
         hf_config = None
         if recipe is not None and not config.model.path and "model.path" in recipe.prepares:
-            if recipe.model_config is None:
-                raise PlanError(
-                    f"recipe {target!r} makes its model when it runs and does not say its "
-                    "config; plan a run of it instead: miles recipes plan RUN_DIR/config.yaml"
-                )
-            hf_config = recipe.model_config(config)
+            hf_config = _made_model_config(recipe, config)
         mem = parse_memory(gpu_mem) if gpu_mem else None
         if gpus is not None and gpus < 1:
             raise PlanError("--gpus must be at least 1")
@@ -301,6 +296,23 @@ def recipes_plan(
             )
     if result.fits is False:
         sys.exit(1)
+
+
+def _made_model_config(recipe: Any, config: Any) -> dict[str, Any]:
+    """The config.json of the model a recipe makes at run time: as the recipe says it, or else
+    read from the model its `prepare` makes in a temporary directory (then deleted)."""
+    import tempfile
+
+    from miles.core.families import read_config
+
+    if recipe.model_config is not None:
+        return dict(recipe.model_config(config))
+    with tempfile.TemporaryDirectory(prefix="miles-plan-") as assets:
+        made = recipe.prepare(Path(assets), config)
+        found = read_config(str(made.get("model.path", "")))
+    if found is None:
+        raise click.ClickException("the recipe's prepare made no model with a config.json")
+    return found
 
 
 def _load_recipe(name: str) -> Any:
@@ -338,7 +350,7 @@ def run(
     resume: bool,
     ray_address: str | None,
 ) -> None:
-    """Run RL post-training from CONFIG.yaml or a recipe name (see `miles components list --kind recipe`)."""
+    """Run RL post-training from CONFIG.yaml or a recipe name (see `miles recipes list`)."""
     if target is None and not resume:
         raise click.UsageError("give a CONFIG.yaml or a recipe name (or --resume --run-dir DIR)")
     if not ray_address:
