@@ -76,8 +76,9 @@ def test_on_a_terminal_lines_are_short_and_for_a_person(tmp_path: Path) -> None:
 
 
 def test_on_a_pipe_stderr_is_json_lines_and_the_summary_is_on_stdout(tmp_path: Path) -> None:
+    lora = ["--set", "lora.rank=8", "--set", "lora.sync=adapters"]  # its note is in the summary
     done = subprocess.run(
-        [*_args(tmp_path / "run"), "--ray-address", shared_ray()],
+        [*_args(tmp_path / "run"), *lora, "--ray-address", shared_ray()],
         capture_output=True, text=True, env=_env(), timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
@@ -90,3 +91,4 @@ def test_on_a_pipe_stderr_is_json_lines_and_the_summary_is_on_stdout(tmp_path: P
     assert steps and steps[-1]["step"] == "3/3", steps  # the plain step line
     [summary] = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
     assert summary["event"] == "run finished" and "rollout/reward_mean" in summary["metrics"]
+    assert any("LoRA on the quickstart" in note for note in summary["notes"]), summary

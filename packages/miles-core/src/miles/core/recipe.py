@@ -37,6 +37,9 @@ class Recipe:
     requires: dict[str, str] = field(default_factory=dict)
     model_config: Callable[[RunConfig], dict[str, Any]] | None = None
     runs_on: Literal["cpu", "gpu"] = "gpu"
+    # Lines the run's final summary adds for this config: what a setting costs on this recipe
+    # and what to change (e.g. LoRA on a model with random weights).
+    summary_notes: Callable[[RunConfig], list[str]] | None = None
 
 
 def describe(

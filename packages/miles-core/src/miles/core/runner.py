@@ -284,7 +284,7 @@ def run_from_cli(request: RunRequest) -> int:
         private_ray_token()
     try:
         get_plugin_manager().require_no_conflicts()
-        config, run_dir, _ = resolve_config(request)
+        config, run_dir, recipe = resolve_config(request)
     except (ConfigError, ComponentConflictError) as exc:
         click.secho(f"error: {exc}", fg="red", err=True)
         return 2
@@ -349,10 +349,11 @@ def run_from_cli(request: RunRequest) -> int:
             f"({skipped.problem}): {lost} step{'' if lost == 1 else 's'} trained again"
         )
     faults = faults_survived(result.final_metrics)
+    notes = recipe.summary_notes(config) if recipe is not None and recipe.summary_notes else []
     # The summary is the run's result: stdout (the log lines are on stderr).
     if _json_logs(request.log_format):
         record = {"event": "run finished", "run_dir": str(run_dir), "metrics": summary}
-        click.echo(json.dumps({**record, "faults": faults, "resumed": resumed}))
+        click.echo(json.dumps({**record, "faults": faults, "resumed": resumed, "notes": notes}))
         return 0
     click.echo(f"run finished: {run_dir}")
     for key, value in sorted(summary.items()):
@@ -360,6 +361,8 @@ def run_from_cli(request: RunRequest) -> int:
     click.echo(f"  {faults}")
     for line in resumed:
         click.echo(f"  {line}")
+    for note in notes:
+        click.echo(f"  note: {note}")
     return 0
 
 
