@@ -186,3 +186,18 @@ shutdown_tracing()
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "OTLP collector unreachable" in lines[0], lines
     assert len((tmp_path / "traces.jsonl").read_text().splitlines()) == 5  # every span kept
+
+
+def test_human_lines_are_short_but_never_cut_a_warning() -> None:
+    from miles.core.logsetup import HumanLines
+
+    render = HumanLines(colours=False)
+    layout = [{"role": "train", "node_id": "f" * 56}, {"role": "engine", "node_id": "e" * 56}]
+    line = render(None, "", {"event": "placement", "level": "info", "layout": layout,
+                             "trace_id": "a" * 32, "span_id": "b" * 16, "note": "n" * 300})  # fmt: skip
+    assert "layout=<2 items; see events.jsonl>" in line and "a" * 32 not in line
+    assert len(line) < 250 and line.endswith("…")
+    warning = render(
+        None, "", {"event": "checkpoint skipped", "level": "warning", "why": "w" * 300}
+    )
+    assert "w" * 300 in warning

@@ -72,7 +72,8 @@ def _drop_quiet(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
 # Kept in JSON and events.jsonl; a person at a terminal has no use for them.
 _MACHINE_KEYS = frozenset({"trace_id", "span_id", "timestamp", "pid"})
 _LEVEL_COLOURS = {"warning": "\x1b[33m", "error": "\x1b[31m", "critical": "\x1b[31m"}
-_LONGEST_VALUE = 80
+_LONGEST_VALUE = 80  # a list or dict longer than this, written out, is summarised
+_LONGEST_TEXT = 160  # an info line's text value is cut here; a warning's or error's never
 
 
 class HumanLines:
@@ -86,8 +87,9 @@ class HumanLines:
         message = str(event_dict.pop("event", ""))
         clock = time.strftime("%H:%M:%S")  # local time, when the line is written
         exception = event_dict.pop("exception", None)
+        cut = level in ("debug", "info")
         pairs = " ".join(
-            f"{key}={_short(value)}"
+            f"{key}={_short(value, cut)}"
             for key, value in event_dict.items()
             if key not in _MACHINE_KEYS and value is not None
         )
@@ -98,14 +100,13 @@ class HumanLines:
         return line + (f"\n{exception}" if exception else "")
 
 
-def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    if isinstance(value, str) and (" " in value or not value):
-        text = json.dumps(value)
-    if len(text) > _LONGEST_VALUE:
-        if isinstance(value, list | tuple | dict):
-            return f"<{len(value)} items; see events.jsonl>"
-        return text[: _LONGEST_VALUE - 1] + "…"
+def _short(value: Any, cut: bool) -> str:
+    if isinstance(value, str):
+        text = json.dumps(value) if (" " in value or not value) else value
+        return text[: _LONGEST_TEXT - 1] + "…" if cut and len(text) > _LONGEST_TEXT else text
+    text = json.dumps(value, default=str)
+    if len(text) > _LONGEST_VALUE and isinstance(value, list | tuple | dict):
+        return f"<{len(value)} items; see events.jsonl>"
     return text
 
 
