@@ -317,6 +317,8 @@ def test_checkpoint_keeps_the_hf_on_disk_format(arch, tied, make_trainer, tmp_pa
     assert not math.isnan(trainer.train_step(make_batch(SHAPES), sft)["train/loss"])
 
 
+# torch.compile of the layers: 50 s on a normal host, past the suite's 120 s default on a slow one.
+@pytest.mark.timeout(600)
 def test_compiled_layers_take_the_eager_step(model_path, make_trainer):
     # train.compile: "on" runs each decoder layer through torch.compile (Inductor); the
     # logprobs and the update must be the eager ones up to float rounding.
