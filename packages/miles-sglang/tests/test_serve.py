@@ -612,7 +612,7 @@ def test_weight_calls_that_hang_get_a_deadline_and_never_take_the_workers(
     every worker. Now each has a deadline (504 naming what it waited for), and they run one at a
     time on a lane of their own, so generation is answered meanwhile."""
     start_server, stop_server = serve_process
-    server = start_server(model, tmp_path, "--weight-timeout", "4")
+    server = start_server(model, tmp_path, "--weight-timeout", "8")
     hole = _black_hole()
     try:
         body = _join_body(hole.getsockname()[1])
@@ -623,9 +623,10 @@ def test_weight_calls_that_hang_get_a_deadline_and_never_take_the_workers(
             ]
             time.sleep(1.0)
             status, out = server.call("/generate", GENERATE)
-            assert status == 200 and time.monotonic() - started < 4, out
+            assert status == 200, out
+            assert not all(call.done() for call in calls)  # answered while they still wait
             results = [call.result() for call in calls]
-        assert time.monotonic() - started < 30  # not 45 x 4 s: the waiters give up on time
+        assert time.monotonic() - started < 40  # not 45 x 8 s: the waiters give up on time
         statuses = [status for status, _ in results]
         assert 504 in statuses and set(statuses) <= {503, 504}, statuses
         timed_out = next(out for status, out in results if status == 504)
@@ -655,7 +656,7 @@ def test_sigterm_exits_in_bounded_time_with_a_weight_call_in_flight(model, tmp_p
             server.process.terminate()
             started = time.monotonic()
             server.process.wait(timeout=30)
-        assert time.monotonic() - started < 15
+        assert time.monotonic() - started < 25  # --shutdown-timeout 1 + 10 s; not 600 s
     finally:
         hole.close()
         if server.process.poll() is None:
