@@ -29,23 +29,33 @@ def within_deadline(host: str, port: int, seconds: float, connect: Callable[[], 
     """`connect()`, whose sockets to `host:port` opened in the meantime are shut down if it has
     not returned after `seconds` (then TimeoutError, whatever torch raised)."""
     before = _socket_inodes_to(host, port)
-    cut = threading.Event()
+    lock = threading.Lock()
+    state = {"returned": False, "cut": False}
 
     def expire() -> None:
-        cut.set()
+        with lock:  # a store that connected just now is left alone
+            if state["returned"]:
+                return
+            state["cut"] = True
         _shut_new_sockets(host, port, before)
 
     timer = threading.Timer(seconds, expire)
     timer.daemon = True
     timer.start()
     try:
-        return connect()
+        store = connect()
     except Exception as exc:
-        if cut.is_set():
+        if state["cut"]:
             raise TimeoutError(f"no answer from {host}:{port} within {seconds:.0f} s") from exc
         raise
     finally:
         timer.cancel()
+    with lock:
+        state["returned"] = True
+        cut = state["cut"]
+    if cut:  # connected as its sockets were being cut: not a store to use
+        raise TimeoutError(f"no answer from {host}:{port} within {seconds:.0f} s")
+    return store
 
 
 def _shut_new_sockets(host: str, port: int, keep: set[str]) -> None:
