@@ -125,3 +125,15 @@ def test_cpu_actors_share_the_cores_and_omp_num_threads_caps_the_share(monkeypat
     assert [placement.cpu_threads_per_actor(n) for n in (1, 2, 4)] == [3, 3, 2]
     monkeypatch.setenv("OMP_NUM_THREADS", "")  # unset in effect, as torch reads it
     assert placement.cpu_threads_per_actor(1) == 8
+
+
+def test_where_says_the_layout_in_a_few_words() -> None:
+    from miles.core.runtime.placement import where
+
+    layout = [
+        {"role": "train", "rank": 0, "node_ip": "10.0.0.5", "gpus": [0]},
+        {"role": "train", "rank": 1, "node_ip": "10.0.0.5", "gpus": [1]},
+        {"role": "engine", "rank": 0, "node_ip": "10.0.0.6", "gpus": []},
+        {"role": "engine", "rank": 2, "node_ip": "10.0.0.6", "gpus": []},
+    ]
+    assert where(layout) == "train 0-1 on 10.0.0.5 GPU 0,1; engine 0,2 on 10.0.0.6"

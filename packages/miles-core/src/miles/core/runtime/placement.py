@@ -384,17 +384,20 @@ def _address() -> tuple[str, int]:
 
 
 def where(layout: list[dict[str, Any]]) -> str:
-    """The layout in a few words: `train 0-1 on 10.0.0.5 GPU 0,1; engine 0 on 10.0.0.6`."""
-    groups: dict[tuple[str, str], list[int]] = {}
+    """The layout in a few words: `train 0-1 on 10.0.0.5 GPU 0,1; engine 0 on 10.0.0.6 GPU 0`."""
+    groups: dict[tuple[str, str], tuple[list[int], list[str]]] = {}
     for slot in layout:
-        gpus = ",".join(str(g) for g in slot.get("gpus") or ())
-        at = f"{slot.get('node_ip', '?')}" + (f" GPU {gpus}" if gpus else "")
-        groups.setdefault((slot["role"], at), []).append(int(slot["rank"]))
+        ranks, gpus = groups.setdefault((slot["role"], str(slot.get("node_ip", "?"))), ([], []))
+        ranks.append(int(slot["rank"]))
+        gpus.extend(str(g) for g in slot.get("gpus") or ())
     parts = []
-    for (role, at), ranks in groups.items():
+    for (role, node), (ranks, gpus) in groups.items():
         ranks.sort()
-        span = str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
-        if ranks != list(range(ranks[0], ranks[-1] + 1)):
-            span = ",".join(map(str, ranks))
-        parts.append(f"{role} {span} on {at}")
+        contiguous = ranks == list(range(ranks[0], ranks[-1] + 1))
+        span = (
+            f"{ranks[0]}-{ranks[-1]}"
+            if contiguous and len(ranks) > 1
+            else ",".join(map(str, ranks))
+        )
+        parts.append(f"{role} {span} on {node}" + (f" GPU {','.join(gpus)}" if gpus else ""))
     return "; ".join(parts)
