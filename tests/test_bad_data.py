@@ -58,7 +58,8 @@ def test_long_prompts_can_be_dropped_and_are_counted(tmp_path: Path) -> None:
         "--set", "data.drop_long_prompts=true", *SHORT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "data/dropped_long_prompts: 1.0" in proc.stderr  # the final summary
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])  # on stdout; JSON on a pipe
+    assert summary["metrics"]["data/dropped_long_prompts"] == 1.0
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["data/dropped_long_prompts"] for m in metrics if "step" in m][:1] == [1.0]
 

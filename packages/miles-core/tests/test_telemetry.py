@@ -141,10 +141,15 @@ def test_human_logs_on_a_terminal_json_lines_otherwise(
         assert json.loads(line)["event"] == "engine ready"
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 def test_progress_bar_shows_reward_step_time_and_eta(monkeypatch: pytest.MonkeyPatch) -> None:
     from miles.core.runtime.progress import Progress
 
-    stream = io.StringIO()
+    stream = _Terminal()  # the bar is for a terminal; a pipe gets step lines (below)
     monkeypatch.setattr(sys, "stderr", stream)
     progress = Progress(4, 0, enabled=True)
     for step in range(2):
@@ -154,6 +159,25 @@ def test_progress_bar_shows_reward_step_time_and_eta(monkeypatch: pytest.MonkeyP
     last = stream.getvalue().replace("\r", "\n").strip().splitlines()[-1]
     assert "2/4" in last and "reward=0.500" in last and "step_s=1.50" in last
     assert re.search(r"\d\d:\d\d<\d\d:\d\d", last), last  # elapsed<remaining: the ETA
+
+
+def test_without_a_terminal_progress_is_a_plain_step_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a pipe no bar is drawn (it would be glued into the log lines): a `step` line instead,
+    at most every 10 s and at the last step."""
+    from structlog.testing import capture_logs
+
+    from miles.core.runtime.progress import Progress
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    with capture_logs() as logs:
+        progress = Progress(3, 0, enabled=True)
+        for _ in range(3):
+            progress.update({"rollout/reward_mean": 0.5, "perf/step_s": 0.1})
+        progress.close()
+    monkeypatch.undo()
+    assert stream.getvalue() == ""
+    assert [e["step"] for e in logs if e["event"] == "step"] == ["3/3"]
 
 
 def test_an_otlp_endpoint_without_a_collector_is_said_once(tmp_path: Path) -> None:

@@ -441,6 +441,13 @@ class Sandbox:
                 with contextlib.suppress(OSError):
                     pipe.close()
         info = _read_info(info_r)
+        oom_killed = cgroup is not None and cgroup.oom_kills() > 0
+        if oom_killed and "end" not in info and "fatal" not in info and "refused" not in info:
+            # The kernel chose a process of the sandbox itself (launcher or init) to kill for the
+            # run's memory: it picks by resident size, and the program's memfd or shared-memory
+            # pages count for no process. Still the program's doing; init's report died with it.
+            info["end"] = {"exit_code": -signal.SIGKILL, "cpu_s": 0.0}
+            info.setdefault("ready", True)
         if "refused" in info:
             raise SandboxUnavailable(_refusal(info["refused"], info.get("setup", {})))
         if "fatal" in info or (
@@ -453,7 +460,7 @@ class Sandbox:
         end = info.get("end", {})
         exit_code = end.get("exit_code")
         status, reason = _classify(exit_code, end.get("cpu_s", 0.0), stderr, outcome, limits)
-        if cgroup is not None and status not in ("timeout", "output_limit") and cgroup.oom_kills():
+        if oom_killed and status not in ("timeout", "output_limit"):
             status = "memory"
             reason = (
                 f"memory limit of {limits.memory_mb} MiB reached (the run's memory cgroup, which "
