@@ -630,7 +630,7 @@ def traced_run(
         rollout={"engines": len(TRACED_ENGINES)},
         train={"world_size": len(TRACED_RANKS)},
         checkpoint={"every": 1},
-        telemetry={"progress": False, "sinks": sinks, "profile_steps": [TRACED_STEPS - 1]},
+        telemetry={"progress": False, "sinks": sinks, "profile_steps": [TRACED_STEPS]},
     )
     _Receiver.bodies = []
     server = HTTPServer(("127.0.0.1", 0), _Receiver)

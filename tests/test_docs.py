@@ -434,7 +434,7 @@ def test_benchmarks_step_breakdown_counts_every_stage(
     finally:
         sys.path.pop(0)
     rows = step_breakdown.breakdown(run_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     # A step's rollout may run entirely in the previous step's tail (the next batch starts as
     # soon as the weights are out), and only its part inside the step counts: so rollout and
     # reward are required over the run, training in every step.

@@ -91,7 +91,7 @@ def test_twin_runs_rl_end_to_end(tmp_path: Path) -> None:
     proc = _run(family, run_dir)
     assert proc.returncode == 0, proc.stderr[-4000:]
     steps = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in steps] == [0, 1]
+    assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
         assert m["rollout/samples"] == 16
         # The engine and the trainer compute the same logprobs for the same tokens: step 1's

@@ -65,7 +65,7 @@ def test_the_moe_quickstart_runs_through_megatron_on_cpu_ranks_and_resumes(tmp_p
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     steps = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in steps] == [0, 1]
+    assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
         # The trainer's logprobs of the engine's tokens (fp32 on both sides), through replay.
         assert m["train/rollout_logprob_abs_diff"] < 1e-4, m
@@ -80,4 +80,4 @@ def test_the_moe_quickstart_runs_through_megatron_on_cpu_ranks_and_resumes(tmp_p
         "--set", "telemetry.progress=false",
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2]
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]

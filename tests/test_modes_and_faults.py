@@ -79,7 +79,7 @@ def whole_one_step_off(
 
 def test_one_step_off_trains_one_version_behind(whole_one_step_off: Path) -> None:
     rows = read_jsonl(whole_one_step_off / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(WHOLE_STEPS))
+    assert [r["step"] for r in rows] == list(range(1, WHOLE_STEPS + 1))
     # Batch 0 is on-policy; every later batch was generated while the step before it trained.
     assert [r["async/staleness_mean"] for r in rows] == [0.0] + [1.0] * (WHOLE_STEPS - 1)
     for row in rows:
@@ -107,7 +107,7 @@ def test_two_train_ranks_match_one(
         / "metrics.jsonl"
     )
     one = read_jsonl(whole_sync / "metrics.jsonl")[: len(two)]
-    assert [r["step"] for r in two] == [0, 1]
+    assert [r["step"] for r in two] == [1, 2]
     for a, b in zip(one, two, strict=True):
         assert b["rollout/reward_mean"] == a["rollout/reward_mean"]
         for key in ("train/loss", "train/grad_norm", "train/entropy"):
@@ -253,7 +253,7 @@ def test_killed_train_rank_restarts_from_the_checkpoint(
     )
     assert Path(marker).exists()
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["fault/train_restarts"] for r in rows] == [0, 0, 1, 1]
     [restored] = _fault_events(run_dir, "train_restarted")
     assert restored["restored"] == "the checkpoint of step 1" and restored["steps_redone"] == 0
@@ -278,7 +278,7 @@ def test_a_train_restart_resumes_from_the_snapshot_and_redoes_the_steps_exactly(
     run_dir = _run(tmp_path, tiny_assets, "killed", train=train, **sections)
     assert Path(marker).exists()
     [restored] = _fault_events(run_dir, "train_restarted")
-    assert restored["restored"] == "the snapshot of step 1" and restored["step"] == 3
+    assert restored["restored"] == "the snapshot of step 2" and restored["step"] == 4
     assert restored["steps_redone"] == 1 and restored["lost_training"] is False
     got, expected = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(whole / "metrics.jsonl")
     assert got[-1]["fault/steps_redone"] == 1 and got[-1]["fault/train_restarts"] == 1
@@ -422,13 +422,13 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(
             assert time.monotonic() < deadline
             time.sleep(0.05)
     done = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
-    assert max(done) < steps - 1, "killed too late to test anything"
+    assert max(done) < steps, "killed too late to test anything"
 
     resumed = run_miles("run", "--resume", "--run-dir", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     expected = [_comparable(r) for r in read_jsonl(whole / "metrics.jsonl")]
     got = [_comparable(r) for r in read_jsonl(run_dir / "metrics.jsonl")]
-    assert [r["step"] for r in got] == list(range(steps))
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
     for want, have in zip(expected, got, strict=True):
         assert want.keys() == have.keys()
         for key in want:
@@ -489,7 +489,7 @@ def test_ctrl_c_saves_a_checkpoint_and_the_printed_command_resumes_exactly(
     assert f"interrupted after step {done} of {WHOLE_STEPS}; checkpoint saved: " in "\n".join(err)
     command = next(line for line in err if line.startswith("resume with: "))
     assert command == f"resume with: miles run --resume --run-dir {run_dir}"
-    assert (run_dir / "checkpoints" / f"step_{done - 1}" / "state.json").is_file()
+    assert (run_dir / "checkpoints" / f"step_{done}" / "state.json").is_file()
     [event] = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "run interrupted"]
     assert event["steps_done"] == done and event["steps"] == WHOLE_STEPS
     report = run_miles("report", str(run_dir))
@@ -501,7 +501,7 @@ def test_ctrl_c_saves_a_checkpoint_and_the_printed_command_resumes_exactly(
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     expected = [_comparable(r) for r in read_jsonl(whole_sync / "metrics.jsonl")]
     got = [_comparable(r) for r in read_jsonl(run_dir / "metrics.jsonl")]
-    assert [r["step"] for r in got] == list(range(WHOLE_STEPS))
+    assert [r["step"] for r in got] == list(range(1, WHOLE_STEPS + 1))
     for want, have in zip(expected, got, strict=True):
         for key in want:
             assert have[key] == pytest.approx(want[key], abs=1e-6, rel=0), (want["step"], key)
@@ -525,8 +525,8 @@ def test_a_second_ctrl_c_stops_at_once_and_says_what_was_lost(
 
 def test_resume_skips_a_corrupt_checkpoint(tmp_path: Path, whole_sync: Path) -> None:
     run_dir = tmp_path / "run"
-    shutil.copytree(whole_sync, run_dir)  # checkpoints step_3 and step_4 (keep_last 2)
-    newest = run_dir / "checkpoints" / f"step_{WHOLE_STEPS - 1}" / "train" / "model.safetensors"
+    shutil.copytree(whole_sync, run_dir)  # checkpoints step_4 and step_5 (keep_last 2)
+    newest = run_dir / "checkpoints" / f"step_{WHOLE_STEPS}" / "train" / "model.safetensors"
     data = bytearray(newest.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit in the weights
     newest.write_bytes(bytes(data))
@@ -534,9 +534,9 @@ def test_resume_skips_a_corrupt_checkpoint(tmp_path: Path, whole_sync: Path) -> 
     proc = run_miles("run", "--resume", "--run-dir", str(run_dir), "--set", f"steps={steps}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     # Said where a person looks: the final summary, and the report's faults table.
-    skipped = f"step_{WHOLE_STEPS - 1}"
+    skipped = f"step_{WHOLE_STEPS}"
     assert (
-        f"resumed from step_{WHOLE_STEPS - 2}, skipping {skipped} (sha256 mismatch in "
+        f"resumed from step_{WHOLE_STEPS - 1}, skipping {skipped} (sha256 mismatch in "
         "train/model.safetensors): 1 step trained again" in proc.stdout
     ), proc.stdout[-3000:]
     [event] = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("fault")]
@@ -546,7 +546,7 @@ def test_resume_skips_a_corrupt_checkpoint(tmp_path: Path, whole_sync: Path) -> 
     page = (run_dir / "report" / "index.html").read_text()
     assert f"checkpoint {skipped} skipped (sha256 mismatch" in page
     # Resumed from step_3: step 4 is done again, then step 5.
-    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(steps))
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, steps + 1))
 
 
 def test_local_ray_refuses_clients_without_the_token(
@@ -710,14 +710,14 @@ def test_one_step_off_resume_restores_the_batch_in_flight_exactly(
     state = _kill_after_checkpoint(
         write_config(tmp_path / "k.yaml", tiny_assets, **sections), run_dir, 2
     )
-    assert state["step"] < steps - 1, "killed too late to test anything"
+    assert state["step"] < steps, "killed too late to test anything"
     assert len(state["rollout"]["buffer"]) > 0, "the checkpoint holds no batch in flight"
 
     resumed = run_miles("run", "--resume", "--run-dir", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     expected = [_comparable(r) for r in read_jsonl(whole / "metrics.jsonl")]
     got = [_comparable(r) for r in read_jsonl(run_dir / "metrics.jsonl")]
-    assert [r["step"] for r in got] == list(range(steps))
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
     assert [r["async/staleness_mean"] for r in got] == [0.0] + [1.0] * (steps - 1)
     for want, have in zip(expected, got, strict=True):
         assert want.keys() == have.keys()
@@ -744,13 +744,13 @@ def test_async_resume_trains_the_buffered_samples_and_loses_none(
     state = _kill_after_checkpoint(
         write_config(tmp_path / "k.yaml", tiny_assets, **sections), run_dir, 2
     )
-    assert state["step"] < steps - 1, "killed too late to test anything"
+    assert state["step"] < steps, "killed too late to test anything"
     assert len(state["rollout"]["buffer"]) > 0, "the checkpoint holds no buffered samples"
 
     resumed = run_miles("run", "--resume", "--run-dir", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(steps))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["async/staleness_max"] <= 2 for r in rows)
     ledger = _assert_every_sample_once(run_dir, steps)
     # The step after the checkpoint trained samples created before it: restored, not redone.

@@ -65,7 +65,7 @@ def test_the_span_tree_of_a_two_step_run(traced_run: tuple[Path, list[Any]]) -> 
     assert (root["name"], _service(root)) == ("miles.run", "miles.controller")
 
     steps = _under(children, root, "miles.step")
-    assert sorted(s["attributes"]["step"] for s in steps) == [0, 1]
+    assert sorted(s["attributes"]["step"] for s in steps) == [1, 2]
     for step in steps:
         n = step["attributes"]["step"]
         assert {_service(s) for s in _under(children, step, "miles.take")} == {
@@ -88,7 +88,7 @@ def test_the_span_tree_of_a_two_step_run(traced_run: tuple[Path, list[Any]]) -> 
     # Rollouts are produced in the background of the run (the buffer decides when a batch
     # starts): one per step, in the rollout manager, with every engine generating under them.
     rollouts = _under(children, root, "miles.rollout")
-    assert sorted(r["attributes"]["step"] for r in rollouts) == [0, 1]
+    assert sorted(r["attributes"]["step"] for r in rollouts) == [1, 2]
     engines_seen = set()
     for rollout in rollouts:
         assert _service(rollout) == "miles.rollout_manager"
@@ -320,11 +320,9 @@ def test_profile_steps_write_a_profile(traced_run: tuple[Path, list[Any]]) -> No
     run_dir, _ = traced_run
     profiles = run_dir / "profiles"
     names = sorted(p.name for p in profiles.iterdir())
-    want = [
-        f"train{r}-step{STEPS - 1}{ext}" for r in range(len(RANKS)) for ext in (".json.gz", ".txt")
-    ]
+    want = [f"train{r}-step{STEPS}{ext}" for r in range(len(RANKS)) for ext in (".json.gz", ".txt")]
     assert names == sorted(want)
-    table = (profiles / f"train0-step{STEPS - 1}.txt").read_text()
+    table = (profiles / f"train0-step{STEPS}.txt").read_text()
     assert "aten::mm" in table or "aten::addmm" in table  # the model's matmuls were recorded
-    trace = json.loads(gzip.decompress((profiles / f"train0-step{STEPS - 1}.json.gz").read_bytes()))
+    trace = json.loads(gzip.decompress((profiles / f"train0-step{STEPS}.json.gz").read_bytes()))
     assert trace["traceEvents"]

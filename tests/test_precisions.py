@@ -118,7 +118,7 @@ def test_lora_trains_adapters_syncs_them_and_checkpoints_only_them(
     assert (train / "adapter.safetensors").is_file() and not (train / "model.safetensors").exists()
     resumed = run_miles("run", "--resume", "--run-dir", str(adapters), "--set", "steps=3")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert [r["step"] for r in read_jsonl(adapters / "metrics.jsonl")] == [0, 1, 2]
+    assert [r["step"] for r in read_jsonl(adapters / "metrics.jsonl")] == [1, 2, 3]
 
 
 # LoRA over every quantized precision, in both sync modes, runs in-process against the same

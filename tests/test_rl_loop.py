@@ -66,7 +66,7 @@ def test_run_directory_contract(finished_run: Path) -> None:
         "checkpoints",
     } <= names
     rows = read_jsonl(finished_run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2]  # --set steps=3 took effect
+    assert [r["step"] for r in rows] == [1, 2, 3]  # --set steps=3 took effect
     for row in rows:
         assert row.keys() >= REQUIRED_METRICS, REQUIRED_METRICS - row.keys()
     assert [r["weights/version"] for r in rows] == [1, 2, 3]
@@ -125,7 +125,7 @@ def test_resume_continues_from_the_last_checkpoint(finished_run: Path, tmp_path:
     proc = run_miles("run", "--resume", "--run-dir", str(run_dir), "--set", "steps=4")
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["weights/version"] == 4
 
 

@@ -40,13 +40,31 @@ def test_record_writes_each_sample_with_its_fate(tmp_path: Path) -> None:
     ledger.record([], step=4, fate="filtered")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == [
-        {"sample_id": 4, "group_id": 1, "step": 3, "fate": "trained", "reward": 0.5,
-         "weight_versions": [1, 3]},
-        {"sample_id": 5, "group_id": 1, "step": 3, "fate": "trained", "reward": 1.0,
-         "weight_versions": [7, 7]},
-        {"sample_id": 6, "group_id": 2, "step": 4, "fate": "stale", "reward": 0.0,
-         "weight_versions": [0, 0]},
-    ]  # fmt: skip
+        {
+            "sample_id": 4,
+            "group_id": 1,
+            "step": 4,
+            "fate": "trained",
+            "reward": 0.5,
+            "weight_versions": [1, 3],
+        },
+        {
+            "sample_id": 5,
+            "group_id": 1,
+            "step": 4,
+            "fate": "trained",
+            "reward": 1.0,
+            "weight_versions": [7, 7],
+        },
+        {
+            "sample_id": 6,
+            "group_id": 2,
+            "step": 5,
+            "fate": "stale",
+            "reward": 0.0,
+            "weight_versions": [0, 0],
+        },
+    ]  # fmt: skip  (the loop's index 3 is step 4: samples.jsonl numbers steps from 1)
     assert ledger.metrics()["samples/trained"] == 2.0
     assert ledger.metrics()["samples/stale"] == 1.0
     assert ledger.metrics()["samples/filtered"] == 0.0

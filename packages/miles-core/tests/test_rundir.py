@@ -124,14 +124,14 @@ def steps(run_dir: Path) -> list[int]:
 
 
 def test_prune_keeps_last_and_milestones(tmp_path: Path):
-    for step in range(10):
+    for step in range(1, 11):  # step_k: after k steps
         save(tmp_path, step)
-    (tmp_path / "checkpoints" / ".tmp-step_10").mkdir()
+    (tmp_path / "checkpoints" / ".tmp-step_11").mkdir()
     prune_checkpoints(tmp_path, keep_last=2, keep_every=5)
-    assert steps(tmp_path) == [4, 8, 9]
-    assert not (tmp_path / "checkpoints" / ".tmp-step_10").exists()
+    assert steps(tmp_path) == [5, 9, 10]
+    assert not (tmp_path / "checkpoints" / ".tmp-step_11").exists()
     prune_checkpoints(tmp_path, 1)  # the controller's positional call: keep_every defaults to 0
-    assert steps(tmp_path) == [9]
+    assert steps(tmp_path) == [10]
 
 
 def test_prune_zero_keeps_all(tmp_path: Path):

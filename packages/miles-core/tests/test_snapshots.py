@@ -67,12 +67,12 @@ def test_a_newer_checkpoint_wins_and_nothing_restorable_is_none(tmp_path: Path) 
     snaps.trained(0, "b0", train_s=1.0)
     snaps.take(FakeTrainers(), 0)  # type: ignore[arg-type]
     snaps.trained(1, "b1", train_s=1.0)
-    with atomic_checkpoint(tmp_path / "run", 1) as tmp:
+    with atomic_checkpoint(tmp_path / "run", 2) as tmp:  # step_2: after the step of index 1
         (tmp / "train").mkdir()
     snaps.checkpointed(1)
     point = snaps.restore_point(nothing_trained=False)
     assert point is not None and (point.step, point.source) == (1, "checkpoint")
-    assert point.path == tmp_path / "run" / "checkpoints" / "step_1" / "train"
+    assert point.path == tmp_path / "run" / "checkpoints" / "step_2" / "train"
     assert snaps.batches == {}
 
 

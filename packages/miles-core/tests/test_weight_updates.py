@@ -446,7 +446,7 @@ def test_a_sync_is_one_span_whose_context_reaches_engines_and_trainers(
         (sync_span,) = exporter.get_finished_spans()
         exporter.clear()
         assert sync_span.name == "miles.weight_sync"
-        assert dict(sync_span.attributes or {}) == {"step": 4, "version": 1}
+        assert dict(sync_span.attributes or {}) == {"step": 5, "version": 1}  # after step 5
         assert [call for call, _, _ in world.handed] == (
             ["send_weights_in_place"] if colocated else ["receive", "send_weights"]
         )

@@ -290,7 +290,7 @@ class FaultConfig:
 class CheckpointConfig:
     every: int = 0  # save every N steps; 0: only at the end
     keep_last: int = 2  # the newest N checkpoints are kept; 0: all
-    keep_every: int = 0  # also keep, for good, each checkpoint whose step + 1 is a multiple of N
+    keep_every: int = 0  # also keep, for good, each checkpoint step_k whose k is a multiple of N
     at_end: bool = True
 
     def __post_init__(self) -> None:

@@ -222,7 +222,7 @@ def latest_valid_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 
 def prune_checkpoints(run_dir: Path, keep_last: int, keep_every: int = 0) -> None:
     """Delete old checkpoints: keep the newest ``keep_last`` (0 keeps all), every one whose
-    ``(step + 1) % keep_every == 0`` (milestones, when ``keep_every > 0``), and always the newest
+    ``step % keep_every == 0`` (``step_k``: after k steps; milestones, when ``keep_every > 0``), and always the newest
     one that verifies, so corrupt newer checkpoints never cost the last good one. Also removes
     leftover ``.tmp-*`` directories; do not call it while a checkpoint is being written."""
     root = run_dir / CHECKPOINTS
@@ -235,7 +235,7 @@ def prune_checkpoints(run_dir: Path, keep_last: int, keep_every: int = 0) -> Non
     found = _step_dirs(run_dir)
     keep = {step for step, _ in found[-keep_last:]}
     if keep_every > 0:
-        keep |= {step for step, _ in found if (step + 1) % keep_every == 0}
+        keep |= {step for step, _ in found if step % keep_every == 0}
     doomed = [(step, path) for step, path in found if step not in keep]
     if not doomed:
         return  # nothing to delete: skip hashing

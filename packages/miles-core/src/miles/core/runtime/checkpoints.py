@@ -26,7 +26,8 @@ def save(
     cfg: CheckpointConfig,
     rollout_result: Callable[[Any], Any] = ray.get,
 ) -> Path:
-    """Writes checkpoint `step` (the engines hold weight `version`); returns its path.
+    """Writes checkpoint `step` (the number of steps done; the engines hold weight `version`);
+    returns its path.
     `rollout_result` waits for the rollout side's state, which waits for the batches in flight
     (the controller's brings restarted engines in meanwhile)."""
     with span("miles.checkpoint", step=step), atomic_checkpoint(run_dir, step) as tmp:
@@ -36,6 +37,7 @@ def save(
         rollout_state = rollout_result(rollout.get_state.remote())
         state = {
             "step": step,
+            "numbering": "steps_done",  # step_k is after k steps (before, step_k was after k + 1)
             "weight_version": version,
             "rollout": rollout_state,
             "engines": {"rng": ray.get(engines.rng_states.remote())},

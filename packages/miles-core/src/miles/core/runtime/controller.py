@@ -18,6 +18,7 @@ Ray's object store; weights go from the train ranks to the engines.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -88,6 +89,13 @@ class Controller:
                 raise FileNotFoundError(
                     f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}"
                     + (f" ({why})" if why else "")
+                )
+            state = json.loads((self.resume_from[1] / "state.json").read_text())
+            if state.get("numbering") != "steps_done":
+                raise FileNotFoundError(
+                    f"--resume: {self.resume_from[1]} was written by an earlier Miles, which "
+                    "numbered steps from 0; this one numbers them from 1 and cannot resume it: "
+                    "resume it with the Miles that wrote it, or start a new run"
                 )
             for s in self.skipped_checkpoints:
                 lost = s.step - self.resume_from[0]
@@ -181,9 +189,9 @@ class Controller:
         if rewind and self.config.fault.train_restart_from != "base":
             where = "no snapshot or checkpoint" if point is None else point.describe()
             raise TrainGroupFailedError(
-                f"a train rank died at step {self.step}, and its training cannot be restored: "
+                f"a train rank died at step {self.step + 1}, and its training cannot be restored: "
                 f"{where} to resume from"
-                + (f" with the batches of steps {missing}" if missing else "")
+                + (f" with the batches of steps {[m + 1 for m in missing]}" if missing else "")
                 + ". Keep snapshots on (fault.snapshot_every), checkpoint more often "
                 "(checkpoint.every), or set fault.train_restart_from: base to start again from "
                 f"model.path; last error: {error}"
@@ -199,7 +207,7 @@ class Controller:
         log.warning(
             "train group restored",
             fault="train_restarted",
-            step=self.step,
+            step=self.step + 1,
             restored=point.describe(),
             steps_redone=redone,
             lost_training=rewind,
@@ -263,9 +271,11 @@ class Controller:
         return time.perf_counter() - self.loop_start - self.eval_s
 
     def checkpoint(self, step: int) -> None:
+        """Checkpoint after the step of index `step`: `checkpoints/step_{step + 1}`, named by the
+        steps done, as metrics.jsonl numbers them."""
         path = checkpoints.save(
             self.run_dir,
-            step,
+            step + 1,
             self.weights.version,
             self.trainers,
             self.rollout,
@@ -281,13 +291,14 @@ class Controller:
     def _restore(self) -> int:
         """Loads the newest valid checkpoint; returns the first step still to run."""
         assert self.resume_from is not None
-        step, path = self.resume_from
+        done, path = self.resume_from  # step_k: k steps done; the next step's index is k
         state = checkpoints.restore(path, self.trainers, self.rollout, self.engines)
-        self.done_through = step
+        self.done_through = done - 1
         self.weights.version = int(state["weight_version"]) - 1
-        self._sync_after_train(step)  # engines hold the base model: bring them to the checkpoint
-        log.info("resumed", checkpoint=str(path), next_step=step + 1)
-        return step + 1
+        # Engines hold the base model: bring them to the checkpoint.
+        self._sync_after_train(done - 1)
+        log.info("resumed", checkpoint=str(path), next_step=done + 1)
+        return done
 
     def _first_sync(self) -> None:
         """Before RL step 0: the warm-start, then the engines get the trainer's weights."""
@@ -371,7 +382,7 @@ class Controller:
 
     def _interrupted(self, step: int) -> RunInterrupted:
         """Stopping at a person's request after `step` (checkpointed): said in the events."""
-        checkpoint = str(checkpoints.step_dir(self.run_dir, step))
+        checkpoint = str(checkpoints.step_dir(self.run_dir, step + 1))
         log.warning(
             "run interrupted", steps_done=step + 1, steps=self.config.steps, checkpoint=checkpoint
         )
@@ -384,7 +395,9 @@ class Controller:
     def one_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         self.step = step
-        with span("miles.step", step=step, run_id=self.info.run_id):
+        # Steps are numbered from 1 wherever they are seen (metrics, samples, checkpoints, spans,
+        # events, the bar): `step` is the loop's index, step + 1 the step's number.
+        with span("miles.step", step=step + 1, run_id=self.info.run_id):
             # The batch goes from the rollout manager to the train ranks through the object store;
             # the controller only reads the small metrics dict.
             batch_ref, metrics_ref = self.rollout.take.options(num_returns=2).remote(
@@ -424,14 +437,14 @@ class Controller:
                 "miles_after_train_step", run=self.info, step=step, metrics=metrics
             )
             if self.config.eval.every and (step + 1) % self.config.eval.every == 0:
-                metrics.update(self.evaluate(step))
+                metrics.update(self.evaluate(step + 1))
         metrics["perf/step_s"] = time.perf_counter() - t0
         metrics["time/train_elapsed_s"] = self.train_elapsed()
         metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / metrics["perf/step_s"]
         metrics["perf/trainer_idle_frac"] = 1.0 - metrics["perf/train_s"] / metrics["perf/step_s"]
         metrics["fault/train_restarts"] = float(self.trainers.restarts)
         metrics["fault/steps_redone"] = float(self.steps_redone)
-        self.metrics.log(step, metrics)
+        self.metrics.log(step + 1, metrics)
         return metrics
 
     def _flush_actor_traces(self) -> None:

@@ -57,7 +57,7 @@ class SampleLedger:
                 row = {
                     "sample_id": s.sample_id,
                     "group_id": s.group_id,
-                    "step": step,
+                    "step": step + 1,  # numbered from 1, as metrics.jsonl
                     "fate": fate,
                     "reward": s.reward,
                     "weight_versions": [min(versions, default=0), max(versions, default=0)],

@@ -108,7 +108,7 @@ class RolloutManager:
         return self._produce(step, groups)
 
     async def _produce(self, step: int, groups: list[PromptGroup]) -> StepBatch:
-        with attached(self._trace), span("miles.rollout", step=step):
+        with attached(self._trace), span("miles.rollout", step=step + 1):
             return await self.producer.produce(step, groups, self.sampling, self._new_groups)
 
     async def start(self, first_step: int, version: int, trace: dict[str, str]) -> None:
@@ -120,7 +120,7 @@ class RolloutManager:
 
     async def take(self, step: int, trace: dict[str, str]) -> tuple[PackedBatch, dict[str, float]]:
         """Batch `step`, once finished; samples too old for the policy are dropped or made again."""
-        with attached(trace), span("miles.take", step=step):
+        with attached(trace), span("miles.take", step=step + 1):
             self.buffer.fill()
             held = self.buffer.groups_held
             batch = await self.buffer.take(step)
@@ -140,7 +140,7 @@ class RolloutManager:
             self.ledger.record(batch.filtered, step, "filtered")
             metrics = self._metrics(batch, kept, held, len(stale), regenerated)
             if not kept:
-                log.warning("every sample of this step was filtered out", step=step)
+                log.warning("every sample of this step was filtered out", step=step + 1)
             self.buffer.fill()
             return PackedBatch.from_samples(kept), metrics
 

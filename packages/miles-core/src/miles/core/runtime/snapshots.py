@@ -44,7 +44,9 @@ class RestorePoint:
     source: str  # "snapshot", "checkpoint" or "base"
 
     def describe(self) -> str:
-        return "the base model" if self.path is None else f"the {self.source} of step {self.step}"
+        return (
+            "the base model" if self.path is None else f"the {self.source} of step {self.step + 1}"
+        )
 
 
 class Snapshots:
@@ -84,7 +86,7 @@ class Snapshots:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            with span("miles.snapshot", step=step):
+            with span("miles.snapshot", step=step + 1):
                 trainers.call("save", str(tmp), carrier())
             tmp.rename(final)
         except TrainerDied:
@@ -124,7 +126,8 @@ class Snapshots:
         found = latest_valid_checkpoint(self.run_dir)
         points = [p for p in (self.latest,) if p is not None]
         if found is not None:
-            points.append(RestorePoint(found[0], found[1] / "train", "checkpoint"))
+            # step_k holds k steps; a restore point names the index of its last step.
+            points.append(RestorePoint(found[0] - 1, found[1] / "train", "checkpoint"))
         if points:
             return max(points, key=lambda p: (p.step, p.source == "snapshot"))
         return RestorePoint(-1, None, "base") if nothing_trained else None

@@ -126,18 +126,20 @@ class TrainActor:
 
     def train(self, batch: PackedBatch, step: int, trace: dict[str, str]) -> dict[str, float]:
         """Old and reference logprobs, advantages and loss weights (every rank computes the
-        same), then one optimizer step with the RL loss (and one for the critic)."""
+        same), then one optimizer step with the RL loss (and one for the critic). `step` is the
+        loop's index; spans and profiles name the step by its number, step + 1."""
+        number = step + 1
         with (
             attached(trace),
-            span("miles.train_step", step=step, rank=self.rank),
-            self._profiled(step),
+            span("miles.train_step", step=number, rank=self.rank),
+            self._profiled(number),
         ):
-            with span("miles.logprobs", step=step, rank=self.rank):
+            with span("miles.logprobs", step=number, rank=self.rank):
                 out = self.backend.logprobs(batch)
             critic = cast(CriticBackend, self.backend)
 
             def values() -> Any:
-                with span("miles.values", step=step, rank=self.rank):
+                with span("miles.values", step=number, rank=self.rank):
                     return critic.values(batch)
 
             metrics = self.algorithm.prepare(batch, out, values)

@@ -54,7 +54,7 @@ class WeightUpdater:
         t0 = time.perf_counter()
         version = self.version + 1 if new_version else self.version
         synced_through = step if new_version else self.synced_through
-        with span("miles.weight_sync", step=step, version=version):
+        with span("miles.weight_sync", step=step + 1, version=version):  # after step + 1
             sent, send_s, verify_s = self._sync_verified(version, finish_batches=new_version)
             self.version, self.synced_through = version, synced_through
             # Together: batches the new version lets start queue until the engines resume.
