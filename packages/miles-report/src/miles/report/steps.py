@@ -31,7 +31,7 @@ def run_status(run: RunData) -> RunStatus:
     one); without traces, when the metrics reach config `steps`."""
     done = training_steps(run)
     planned = run.steps_planned
-    all_done = planned is not None and len(done) > 0 and max(done) >= planned - 1
+    all_done = planned is not None and len(done) > 0 and len(done) >= planned
     runs = [s for s in run.spans if s.name == "miles.run" and s.end_ns is not None]
     last_start = max((s.start_ns for s in run.spans), default=0)
     final = max(runs, key=lambda s: s.start_ns, default=None)
