@@ -89,6 +89,10 @@ def test_on_a_pipe_stderr_is_json_lines_and_the_summary_is_on_stdout(tmp_path: P
     assert "RL steps" not in done.stderr
     steps = [e for e in events if e["event"] == "step"]
     assert steps and steps[-1]["step"] == "3/3", steps  # the plain step line
+    # One numbering: the step line's 3/3 is metrics.jsonl's step 3, and checkpoints/step_3.
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (tmp_path / "run" / "checkpoints" / "step_3" / "state.json").is_file()
     [summary] = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
     assert summary["event"] == "run finished" and "rollout/reward_mean" in summary["metrics"]
     assert any("LoRA on the quickstart" in note for note in summary["notes"]), summary
