@@ -256,7 +256,7 @@ def test_killed_train_rank_restarts_from_the_checkpoint(
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["fault/train_restarts"] for r in rows] == [0, 0, 1, 1]
     [restored] = _fault_events(run_dir, "train_restarted")
-    assert restored["restored"] == "the checkpoint of step 1" and restored["steps_redone"] == 0
+    assert restored["restored"] == "the checkpoint of step 2" and restored["steps_redone"] == 0
     _assert_every_sample_once(run_dir, 4)
 
 
