@@ -73,7 +73,7 @@ def test_the_moe_quickstart_runs_through_megatron_on_cpu_ranks_and_resumes(tmp_p
         assert m["train/grad_norm"] > 0, m
     # The step profile (`telemetry.profile_steps`) through the backend's profiler.
     assert (run_dir / "profiles" / "train0-step1.txt").is_file(), sorted(run_dir.iterdir())
-    checkpoint = run_dir / "checkpoints" / "step_1" / "train"
+    checkpoint = run_dir / "checkpoints" / "step_2" / "train"  # after the 2 steps
     assert (checkpoint / "model.safetensors").is_file(), sorted(run_dir.rglob("*"))[:20]
     resumed = run_miles(
         "run", "--resume", "--run-dir", str(run_dir), "--set", "steps=3",

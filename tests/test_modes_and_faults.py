@@ -208,7 +208,7 @@ def test_a_checkpoint_waiting_on_generation_brings_a_restarted_engine_in(
     assert Path(marker).exists()
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert len(rows) == 4 and rows[-1]["fault/engine_restarts"] == 1
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1] == "step_3"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1] == "step_4"
     ledger = read_jsonl(run_dir / "samples.jsonl")
     ids = [row["sample_id"] for row in ledger]
     assert len(ids) == len(set(ids)) and sorted(ids) == list(range(len(ids)))

@@ -114,7 +114,7 @@ def test_lora_trains_adapters_syncs_them_and_checkpoints_only_them(
     ratio = a[0]["weights/sync_bytes"] / m[0]["weights/sync_bytes"]
     print(f"\nadapter sync bytes / merged sync bytes: {ratio:.4f}")
     assert ratio < 0.1
-    train = merged / "checkpoints" / "step_1" / "train"
+    train = merged / "checkpoints" / "step_2" / "train"  # after its 2 steps
     assert (train / "adapter.safetensors").is_file() and not (train / "model.safetensors").exists()
     resumed = run_miles("run", "--resume", "--run-dir", str(adapters), "--set", "steps=3")
     assert resumed.returncode == 0, resumed.stderr[-4000:]

@@ -110,7 +110,7 @@ def test_one_trace_spans_every_actor(finished_run: Path) -> None:
 
 def test_checkpoints_are_safetensors_and_json_only(finished_run: Path) -> None:
     ckpts = sorted(p.name for p in (finished_run / "checkpoints").iterdir())
-    assert ckpts == ["step_1", "step_2"]  # keep: 2 pruned step_0
+    assert ckpts == ["step_2", "step_3"]  # keep: 2 pruned step_1
     files = [p for p in (finished_run / "checkpoints").rglob("*") if p.is_file()]
     assert any(p.suffix == ".safetensors" for p in files)
     allowed = {".safetensors", ".json", ".jinja", ".txt"}
@@ -149,7 +149,7 @@ def test_training_moves_the_policy(finished_run: Path, tiny_assets: dict[str, st
     assert any(r["rollout/reward_std"] > 0 for r in rows)
     # The optimizer really stepped: the last checkpoint's weights differ from the initial ones,
     # and the policy's logprobs on a fixed batch moved with them.
-    trained = finished_run / "checkpoints" / "step_2" / "train"
+    trained = finished_run / "checkpoints" / "step_3" / "train"
     before = load_file(str(Path(tiny_assets["model"]) / "model.safetensors"))
     after = load_file(str(trained / "model.safetensors"))
     assert after.keys() == before.keys()

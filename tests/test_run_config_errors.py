@@ -34,8 +34,8 @@ pytestmark = pytest.mark.timeout(300)
         (["train.lr_schedul=cosine"], "train.lr_schedul: unknown key; did you mean 'lr_schedule'?"),
         (["steps=many"], "steps: expected an integer, got 'many'"),
         (
-            ["steps=3", "telemetry.profile_steps=[1, 3]"],
-            "telemetry.profile_steps: [3] are not steps of this run (0 to 2)",
+            ["steps=3", "telemetry.profile_steps=[1, 4]"],
+            "telemetry.profile_steps: [4] are not steps of this run (1 to 3)",
         ),
         (["rollout.samples_per_prompt=0"], "rollout.samples_per_prompt must be at least 1"),
         (

@@ -226,11 +226,11 @@ def _run_shape(config: RunConfig) -> list[str]:
         problems.append("data.path: required (a .jsonl or .parquet file, or a hub dataset id)")
     if config.steps < 0:
         problems.append("steps: must be >= 0")
-    outside = [s for s in config.telemetry.profile_steps if not 0 <= s < config.steps]
+    outside = [s for s in config.telemetry.profile_steps if not 1 <= s <= config.steps]
     if outside:
         problems.append(
-            f"telemetry.profile_steps: {outside} are not steps of this run (0 to "
-            f"{config.steps - 1}); list steps from that range"
+            f"telemetry.profile_steps: {outside} are not steps of this run (1 to "
+            f"{config.steps}); list steps from that range"
         )
     algo = config.algorithm
     if config.mode != "sync" and algo.correction is None and algo.old_logprobs != "rollout":
