@@ -787,3 +787,22 @@ def test_a_train_group_lost_in_the_warm_start_redoes_it_on_the_same_batches(
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert rows[-1]["fault/steps_redone"] == 1 and rows[-1]["fault/train_restarts"] == 1
     _assert_every_sample_once(run_dir, 2)
+
+
+def test_resume_refuses_a_checkpoint_numbered_the_old_way(tmp_path: Path, whole_sync: Path) -> None:
+    """Checkpoints named by the step's 0-based index (before steps were numbered from 1) would
+    resume one step off: refused, with the reason, before anything starts."""
+    import json
+
+    from miles.core.rundir import _write_checksums
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(whole_sync, run_dir)
+    for checkpoint in (run_dir / "checkpoints").glob("step_*"):
+        state = json.loads((checkpoint / "state.json").read_text())
+        state.pop("numbering")
+        (checkpoint / "state.json").write_text(json.dumps(state))
+        _write_checksums(checkpoint)  # a sound checkpoint, only of the earlier numbering
+    proc = run_miles("run", "--resume", "--run-dir", str(run_dir), "--set", "steps=6")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "numbered steps from 0" in proc.stderr and "Traceback" not in proc.stderr
