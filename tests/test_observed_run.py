@@ -155,7 +155,7 @@ def jsonl_values(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def test_every_step_reaches_metrics_jsonl(sinks_run: Path) -> None:
-    assert [step for step, _ in jsonl_values(sinks_run)] == [0, 1]
+    assert [step for step, _ in jsonl_values(sinks_run)] == [1, 2]
 
 
 def test_tensorboard_got_both_steps(sinks_run: Path) -> None:
@@ -201,7 +201,7 @@ def test_mlflow_got_both_steps(sinks_run: Path) -> None:
 def test_broken_sink_is_switched_off_and_the_run_goes_on(sinks_run: Path) -> None:
     events = read_jsonl(sinks_run / "events.jsonl")
     failed = [e for e in events if e.get("event") == "metric sink failed; switching it off"]
-    assert len(failed) == 1  # at step 0, once: then it is off
+    assert len(failed) == 1  # at the first step, once: then it is off
     assert failed[0]["sink"] == "telemetry.sinks[4] (mlflow)"  # the broken one, by position
     assert "cannot open an MLflow run" in failed[0]["error"] and "blocker" in failed[0]["error"]
 
@@ -295,7 +295,7 @@ def test_report_of_a_real_run_renders(tmp_path: Path, traced_run: tuple[Path, An
     assert "badge finished" in html and "2 of 2" in html
     assert html.count("data:image/png;base64,") == len(written) - 1
     steps = re.findall(r"<tr><td class='num'>(\d+)</td>", html.split("Slowest steps", 1)[1])
-    assert sorted(int(s) for s in steps) == [0, 1]  # both steps, in the top 5
+    assert sorted(int(s) for s in steps) == [1, 2]  # both steps, in the top 5
 
     ok, why = looks_rendered(screenshot(written[0], tmp_path / "page.png", tmp_path / "chrome"))
     print(why)
