@@ -293,15 +293,20 @@ class Sandbox:
     ) -> SandboxResult:
         workdir = os.path.realpath(tempfile.mkdtemp(prefix="miles_sandbox_", dir=self.workdir_root))
         info_r, info_w = os.pipe()
+        cgroup = None
+        if uid is not None and "memory_cgroup" not in self._unavailable:
+            cgroup = make_memory_cgroup(limits.memory_mb << 20)
         try:
             Path(workdir, "solution.py").write_text(code)
             if uid is not None:
                 os.chown(workdir, uid, uid)
                 os.chown(Path(workdir, "solution.py"), uid, uid)
-            return await self._spawn(workdir, stdin, limits, uid, info_r, info_w)
+            return await self._spawn(workdir, stdin, limits, uid, info_r, info_w, cgroup)
         finally:
             os.close(info_r)  # (_spawn closes info_w: a double close could hit a reused fd)
             _rmtree(workdir)
+            if cgroup is not None:  # every process of the run is gone (_spawn swept them)
+                cgroup.remove()
 
     def _launcher_config(
         self,
@@ -353,28 +358,9 @@ class Sandbox:
         uid: int | None,
         info_r: int,
         info_w: int,
+        cgroup: MemoryCgroup | None,
     ) -> SandboxResult:
         start = time.monotonic()
-        cgroup = None
-        if uid is not None and "memory_cgroup" not in self._unavailable:
-            cgroup = make_memory_cgroup(limits.memory_mb << 20)
-        try:
-            return await self._supervise(workdir, stdin, limits, uid, info_r, info_w, cgroup, start)
-        finally:
-            if cgroup is not None:
-                cgroup.remove()
-
-    async def _supervise(
-        self,
-        workdir: str,
-        stdin: str,
-        limits: SandboxLimits,
-        uid: int | None,
-        info_r: int,
-        info_w: int,
-        cgroup: MemoryCgroup | None,
-        start: float,
-    ) -> SandboxResult:
         cfg_r, cfg_w = os.pipe()
         try:
             # The config goes on a pipe, not argv: /proc/1/cmdline inside shows nothing of it.
