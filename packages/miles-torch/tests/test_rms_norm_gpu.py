@@ -60,16 +60,25 @@ def test_fused_norms_in_a_model(tiny_model: Callable[..., str]) -> None:
     assert fuse_rms_norms(model, ("Qwen3RMSNorm",), torch.device("cpu")) == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_torch_rms_norm_equals_torch(dtype: torch.dtype) -> None:
-    """`torch.nn.RMSNorm` (megatron-core's local norms) fused and not: output and gradients
-    within the dtype's rounding; a norm without an eps or on the host is left alone."""
+@pytest.mark.parametrize(
+    ("dtype", "weight_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        # megatron-core's trainer: fp32 norm weights under bf16 activations.
+        (torch.bfloat16, torch.float32),
+    ],
+)
+def test_fused_torch_rms_norm_equals_torch(dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
+    """`torch.nn.RMSNorm` (megatron-core's local norms) fused and not: the same output dtype,
+    output and gradients within the dtype's rounding; a norm without an eps or on the host is
+    left alone."""
     g = torch.Generator(device="cuda").manual_seed(1)
     x0 = (torch.randn(500, 4, 128, device="cuda", generator=g) * 2).to(dtype)
     grad = torch.randn(x0.shape, device="cuda", generator=g).to(dtype)
 
     def run(fused: bool) -> list[torch.Tensor]:
-        norm = torch.nn.RMSNorm(128, eps=1e-6, device="cuda", dtype=dtype)
+        norm = torch.nn.RMSNorm(128, eps=1e-6, device="cuda", dtype=weight_dtype)
         norm.weight.data.copy_(1 + torch.arange(128, device="cuda") / 256)
         assert fuse_torch_rms_norms(norm, torch.device("cuda")) == int(fused) or not fused
         x = x0.clone().requires_grad_()
@@ -79,6 +88,7 @@ def test_fused_torch_rms_norm_equals_torch(dtype: torch.dtype) -> None:
         return [out.detach(), x.grad, norm.weight.grad]
 
     ours, theirs = run(True), run(False)
+    assert [t.dtype for t in ours] == [t.dtype for t in theirs]
     tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-4}
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a.float(), b.float(), **tol)

@@ -68,7 +68,9 @@ def _fused_torch_forward(module: torch.nn.RMSNorm, hidden: torch.Tensor) -> torc
     if not hidden.is_cuda:
         out = torch.nn.RMSNorm.forward(module, hidden)
     else:
-        out = _RMSNorm.apply(hidden, module.weight, float(module.eps or 0.0))
+        # torch's rounding: in fp32 throughout, the result in the input's dtype (megatron-core
+        # keeps its norm weights in fp32 under bf16 activations).
+        out = _RMSNorm.apply(hidden, module.weight, float(module.eps or 0.0), hidden.dtype, False)
     return out
 
 
@@ -87,27 +89,36 @@ def _fused_forward(module: Any, hidden: torch.Tensor) -> torch.Tensor:
     if not hidden.is_cuda:  # e.g. a module moved to the host meanwhile
         out = type(module).forward(module, hidden)
     else:
-        out = _RMSNorm.apply(hidden, module.weight, float(module.variance_epsilon))
+        dtype = torch.promote_types(hidden.dtype, module.weight.dtype)
+        out = _RMSNorm.apply(hidden, module.weight, float(module.variance_epsilon), dtype, True)
     return out
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype,
+        round_normed: bool,
+    ) -> torch.Tensor:
+        """`round_normed`: the normalised value is rounded to the input's dtype before the weight
+        multiplies it (transformers); else everything stays in fp32 until the output (torch)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
         rows, width = x2.shape
-        out = torch.empty(
-            x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device
-        )
+        out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         if rows:
             _forward_kernel[(rows,)](
                 x2, weight, out, rstd, width, eps,
-                BLOCK=triton.next_power_of_2(width), num_warps=_warps(width),
+                BLOCK=triton.next_power_of_2(width), ROUND=round_normed, num_warps=_warps(width),
             )  # fmt: skip
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = shape
+        ctx.round_normed = round_normed
         return out.reshape(shape)
 
     @staticmethod
@@ -123,12 +134,13 @@ class _RMSNorm(torch.autograd.Function):
         if rows:
             _backward_kernel[(programs,)](
                 x2, weight, rstd, grad2, grad_x, partial_w, rows, width,
-                BLOCK=triton.next_power_of_2(width), num_warps=_warps(width),
+                BLOCK=triton.next_power_of_2(width), ROUND=ctx.round_normed,
+                num_warps=_warps(width),
             )  # fmt: skip
         else:
             partial_w.zero_()
         grad_w = partial_w.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x.reshape(ctx.shape), grad_w, None
+        return grad_x.reshape(ctx.shape), grad_w, None, None, None
 
 
 def _warps(width: int) -> int:
@@ -138,14 +150,18 @@ def _warps(width: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _forward_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, width, eps, BLOCK: tl.constexpr):
+    def _forward_kernel(
+        x_ptr, w_ptr, out_ptr, rstd_ptr, width, eps, BLOCK: tl.constexpr, ROUND: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         valid = cols < width
         x_raw = tl.load(x_ptr + row * width + cols, mask=valid, other=0.0)
         x = x_raw.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
-        normed = (x * rstd).to(x_raw.dtype).to(tl.float32)  # rounded as transformers rounds
+        normed = x * rstd
+        if ROUND:
+            normed = normed.to(x_raw.dtype).to(tl.float32)  # rounded as transformers rounds
         w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
         out = w * normed
         tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=valid)
@@ -154,7 +170,7 @@ if triton is not None:
     @triton.jit
     def _backward_kernel(
         x_ptr, w_ptr, rstd_ptr, grad_ptr, grad_x_ptr, partial_w_ptr, rows, width,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, ROUND: tl.constexpr,
     ):  # fmt: skip
         program = tl.program_id(0)
         programs = tl.num_programs(0)
@@ -169,7 +185,10 @@ if triton is not None:
             rstd = tl.load(rstd_ptr + row)
             dy = tl.load(grad_ptr + offs, mask=valid, other=0.0).to(tl.float32)
             normed = x * rstd
-            grad_w += dy * normed.to(x_raw.dtype).to(tl.float32)
+            if ROUND:
+                grad_w += dy * normed.to(x_raw.dtype).to(tl.float32)
+            else:
+                grad_w += dy * normed
             dn = dy * w
             # d/dx of x * rstd(x): rstd * (dn - normed * mean(dn * normed))
             dx = rstd * (dn - normed * (tl.sum(dn * normed, axis=0) / width))
