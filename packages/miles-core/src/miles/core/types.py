@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -73,10 +73,56 @@ class SamplingParams:
     # None: the engine's generator. A seed makes the request's tokens depend only on the seed,
     # the weights and the prompt, not on what it is batched with (SGLang's sampling_seed).
     seed: int | None = None
+    # Generate past the model's end-of-sequence tokens (stop_token_ids still stop).
+    ignore_eos: bool = False
+    # Penalties on tokens already generated (OpenAI's frequency/presence, the CTRL-style
+    # repetition penalty over prompt and response); the defaults change nothing.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Stop once the response's text matches one of these regular expressions (SGLang's stop_regex).
+    stop_regex: tuple[str, ...] = ()
+    # The k most likely tokens and their logprobs at each response position (0: none).
+    top_logprobs: int = 0
+    # Also the logprob of each prompt token after the first, given the tokens before it (and its
+    # top_logprobs): SGLang's input_token_logprobs, OpenAI's echo, /v1/score.
+    prompt_logprobs: bool = False
+    # Structured output: which tokens may come next (None: any). Stateful, one per request, so it
+    # is never shared between requests and never compared.
+    constraint: TokenConstraint | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"sampling seed must be in [0, 2**63), got {self.seed}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+class TokenConstraint(Protocol):
+    """A grammar over one request's response tokens (structured output: JSON schema, regex,
+    EBNF). The engine asks for the allowed next tokens before each sampling step, masks the rest
+    (the logprobs are those of the masked distribution, as sampled), and reports the token it
+    sampled. Called from the engine's thread only."""
+
+    def fill_bitmask(self, bitmask: npt.NDArray[np.int32], row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` ([rows, ceil(vocab / 32)] int32,
+        bit `t % 32` of word `t // 32` set when token t is allowed)."""
+
+    def accept(self, token_id: int) -> None:
+        """The engine sampled `token_id`."""
+
+    def is_finished(self) -> bool:
+        """The grammar is complete: the response must stop here."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +147,12 @@ class GenerateResult:
     # Prompt tokens whose KV the engine found cached (a shared or earlier prefix): SGLang's
     # meta_info.cached_tokens.
     cached_tokens: int = 0
+    # With SamplingParams.top_logprobs = k: per response token, the k most likely (token id,
+    # logprob) pairs, most likely first, from the same distribution as `logprobs`.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With SamplingParams.prompt_logprobs: prompt tokens 1.. (len - 1 entries), and their top-k.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def token_versions(version: int | list[int], num_tokens: int) -> list[int]:
