@@ -1,0 +1,107 @@
+"""Generation endpoints of `miles serve`: SGLang's /generate, the OpenAI API, health."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from miles.sglang import openai
+from miles.sglang import protocol as wire
+from miles.sglang.host import NotServing, QueueFull
+from miles.sglang.protocol import BadRequest, GenerateItem
+from miles.sglang.serving import (
+    Progress,
+    ServeState,
+    answer,
+    chat_prompt,
+    check_serving,
+    error,
+    generate_one,
+    model_name,
+    new_rid,
+    prompt_ids,
+    read_body,
+    stream_answer,
+    submit,
+    token_texts,
+)
+
+
+def add_generation_routes(app: FastAPI, state: ServeState) -> None:
+    settings = state.settings
+    # -- generation ----------------------------------------------------------------------------
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        call = wire.parse_generate(await read_body(request), new_rid)
+        if not settings.record_routing and any(i.return_routed_experts for i in call.items):
+            raise BadRequest(
+                "return_routed_experts: this server records no routes (start miles serve with "
+                "--record-routing, on a MoE model)"
+            )
+        check_serving(state)
+        prompts = [prompt_ids(state, item) for item in call.items]
+        if call.stream:  # one prompt (the parser refuses a streamed batch)
+            item, ids = call.items[0], prompts[0]
+            progress = Progress(asyncio.get_running_loop())
+            wait = submit(state, item, ids, progress.update)
+            return StreamingResponse(
+                stream_answer(state, item, len(ids), wait, progress), media_type="text/event-stream"
+            )
+        waits = [submit(state, item, ids) for item, ids in zip(call.items, prompts, strict=True)]
+        done = await asyncio.gather(*waits)
+        answers = [answer(state, item, f) for item, f in zip(call.items, done, strict=True)]
+        return JSONResponse(answers if call.batch else answers[0])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        body, sampling, prompt = openai.parse_completion(await read_body(request))
+        item = GenerateItem(
+            rid=body.get("rid") or new_rid(),
+            sampling=sampling,
+            input_ids=prompt if isinstance(prompt, list) else None,
+            text=prompt if isinstance(prompt, str) else None,
+            return_logprob=True,
+        )
+        ids, answer = await generate_one(state, item)
+        response = openai.completion_response(
+            body, model_name(body, settings), ids, answer, token_texts(state, answer)
+        )
+        return JSONResponse(response)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        body, sampling = openai.parse_chat(await read_body(request))
+        ids = body.get("input_ids") or chat_prompt(state, body)
+        item = GenerateItem(
+            rid=body.get("rid") or new_rid(), sampling=sampling, input_ids=ids, return_logprob=True
+        )
+        ids, answer = await generate_one(state, item)
+        response = openai.chat_response(
+            body, model_name(body, settings), ids, answer, token_texts(state, answer)
+        )
+        return JSONResponse(response)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = {"id": settings.model_path, "object": "model", "owned_by": "miles"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = bool(state.engine.health().get("ok", True))
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if state.host.paused or state.released:
+            return error(503, "paused or memory released: not generating")
+        item = GenerateItem(rid=new_rid(), sampling=wire.Sampling(max_new_tokens=1))
+        first = int(state.tokenizer.bos_token_id or state.tokenizer.eos_token_id or 0)
+        try:
+            finished = await asyncio.wait_for(submit(state, item, [first]), timeout=60)
+        except (TimeoutError, NotServing, QueueFull) as exc:
+            return error(503, f"the engine did not generate: {exc}")
+        return Response(status_code=200 if finished.error is None else 503)

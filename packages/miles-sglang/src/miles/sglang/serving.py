@@ -1,0 +1,305 @@
+"""What every route of `miles serve` shares: its settings and state, reading a request body, running
+one prompt through the engine host, and the /generate answer (whole or streamed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from miles.core.types import SamplingParams
+from miles.sglang import protocol as wire
+from miles.sglang.host import EngineHost, Finished, NotServing, OnTokens
+from miles.sglang.protocol import BadRequest, GenerateItem
+from miles.sglang.weight_lane import WeightLane
+from miles.sglang.weights import UpdateGroup
+
+# The SGLang release whose protocol this server follows (what /get_server_info reports).
+SGLANG_PROTOCOL = "0.5"
+GREEDY_BELOW = 1e-6  # SGLang: a temperature below this samples greedily
+
+
+@dataclass
+class ServeSettings:
+    model_path: str
+    max_batch_size: int = 64
+    max_queue: int = 1024
+    # 'Authorization: Bearer KEY' on every endpoint but /health (None: none required; `miles
+    # serve` always sets one, see serve_keys).
+    api_key: str | None = None
+    # Generation and information endpoints need no key (a server on loopback whose key the
+    # server made itself, as SGLang's are open there); control and weight endpoints always do.
+    open_generation: bool = False
+    # The address the server is bound to: requests whose Host names another are refused (DNS
+    # rebinding). None: not checked.
+    host: str | None = None
+    # Browser origins allowed to call it; a request with any other Origin is refused.
+    allowed_origins: tuple[str, ...] = ()
+    max_body_mb: float = 64.0  # a larger body is refused (413)
+    # Deadline of each weight operation (group set-up, weight loads, memory release): past it the
+    # request answers 504 naming what it waited for (weight_lane.py).
+    weight_timeout_s: float = 300.0
+    max_context: int | None = None  # None: the model config's max_position_embeddings
+    record_routing: bool = False  # the engine records MoE routes (return_routed_experts)
+
+
+@dataclass
+class ServeState:
+    engine: Any
+    host: EngineHost
+    settings: ServeSettings
+    tokenizer: Any
+    max_context: int
+    lane: WeightLane
+    version_label: str = "default"
+    groups: dict[str, UpdateGroup] = field(default_factory=dict)
+    released: bool = False
+    started: float = field(default_factory=time.time)
+
+
+def new_rid() -> str:
+    return secrets.token_hex(8)
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(wire.error_body(message), status_code=status)
+
+
+def ok(message: str) -> JSONResponse:
+    return JSONResponse({"success": True, "message": message})
+
+
+def fail(message: str, status: int = 400) -> JSONResponse:
+    """SGLang's answer to a failed control call, with its error object beside it."""
+    body = {"success": False, "message": message, **wire.error_body(message)}
+    return JSONResponse(body, status_code=status)
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadRequest(f"malformed JSON: {name} is not a JSON number")
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("malformed JSON: nested too deeply") from None
+
+
+async def read_body(request: Request) -> Any:
+    limit = request.app.state.miles.settings.max_body_mb * 2**20
+    chunks, size = [], 0
+    async for chunk in request.stream():  # a body without Content-Length is capped here
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body over {limit / 2**20:g} MB")
+        chunks.append(chunk)
+    return parse_json(b"".join(chunks))
+
+
+class BodyTooLarge(BadRequest):
+    """A request body over `max_body_mb` (413)."""
+
+
+def check_serving(state: ServeState) -> None:
+    if state.released:
+        raise NotServing("memory is released: POST /resume_memory_occupation first")
+
+
+def prompt_ids(state: ServeState, item: GenerateItem) -> list[int]:
+    ids = item.input_ids
+    if ids is None:
+        ids = list(state.tokenizer(item.text)["input_ids"])
+    vocab = int(getattr(state.engine.model.config, "vocab_size", 0) or 0)
+    if vocab and any(not 0 <= t < vocab for t in ids):
+        raise BadRequest(f"request {item.rid}: input_ids must be in [0, {vocab})")
+    total = len(ids) + item.sampling.max_new_tokens
+    if total > state.max_context:
+        raise BadRequest(
+            f"request {item.rid}: {len(ids)} prompt tokens + max_new_tokens "
+            f"{item.sampling.max_new_tokens} = {total} exceeds the context length "
+            f"{state.max_context}"
+        )
+    return ids
+
+
+def submit(
+    state: ServeState, item: GenerateItem, prompt_ids: list[int], on_tokens: OnTokens | None = None
+) -> asyncio.Future[Finished]:
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Finished] = loop.create_future()
+
+    def settle(finished: Finished) -> None:
+        if not future.done():  # the client may have gone
+            future.set_result(finished)
+
+    def deliver(finished: Finished) -> None:
+        loop.call_soon_threadsafe(settle, finished)
+
+    s = item.sampling
+    stop_ids = s.stop_token_ids
+    sampling = SamplingParams(
+        temperature=0.0 if s.temperature < GREEDY_BELOW else s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        max_new_tokens=s.max_new_tokens,
+        stop_token_ids=stop_ids,
+        stop_strings=s.stop,
+        seed=s.seed,
+    )
+    state.host.submit(item.rid, prompt_ids, sampling, deliver, on_tokens)
+    return future
+
+
+async def generate_one(state: ServeState, item: GenerateItem) -> tuple[list[int], dict[str, Any]]:
+    """One prompt through the engine: its token ids and its /generate answer."""
+    check_serving(state)
+    ids = prompt_ids(state, item)
+    done = await submit(state, item, ids)
+    return ids, answer(state, item, done)
+
+
+def chat_prompt(state: ServeState, body: dict[str, Any]) -> list[int]:
+    tok = state.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise BadRequest(
+            "/v1/chat/completions: this model's tokenizer has no chat template; send the "
+            "prompt's token ids as input_ids"
+        )
+    ids = tok.apply_chat_template(
+        body["messages"],
+        tools=body.get("tools"),
+        add_generation_prompt=True,
+        tokenize=True,
+        **(body.get("chat_template_kwargs") or {}),
+    )
+    if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def token_texts(state: ServeState, answer: dict[str, Any]) -> list[str]:
+    return [state.tokenizer.decode([t]) for t in answer["output_ids"]]
+
+
+def model_name(body: dict[str, Any], settings: ServeSettings) -> str:
+    return str(body.get("model") or settings.model_path)
+
+
+def answer(state: ServeState, item: GenerateItem, done: Finished) -> dict[str, Any]:
+    """SGLang's /generate response object for one finished prompt."""
+    tok, s = state.tokenizer, item.sampling
+    text = tok.decode(
+        done.response_ids,
+        skip_special_tokens=s.skip_special_tokens,
+        spaces_between_special_tokens=s.spaces_between_special_tokens,
+    )
+    matched: int | str | None = None
+    if done.finish_reason == "stop":
+        last = done.response_ids[-1] if done.response_ids else None
+        hit = next((x for x in s.stop if x in text), None)
+        if hit is not None and last not in s.stop_token_ids:
+            matched = hit
+            if not s.no_stop_trim:  # SGLang cuts a matched stop string from the text
+                text = text[: text.find(hit)]
+        else:
+            matched = last
+    meta: dict[str, Any] = {
+        "id": done.rid,
+        "finish_reason": wire.finish_reason(done.finish_reason, matched, s.max_new_tokens),
+        "prompt_tokens": len(done.prompt_ids),
+        "completion_tokens": len(done.response_ids),
+        "cached_tokens": done.cached_tokens,
+        "weight_version": state.version_label,
+        "e2e_latency": time.perf_counter() - done.started,
+    }
+    if done.error is not None:
+        meta["finish_reason"]["message"] = f"the engine failed: {done.error}"
+    if item.return_logprob:
+        meta["output_token_logprobs"] = [
+            [float(lp), int(t), tok.decode([t]) if item.return_text_in_logprobs else None]
+            for lp, t in zip(done.logprobs, done.response_ids, strict=True)
+        ]
+    if item.return_routed_experts and done.routing is not None:
+        rows = len(done.prompt_ids) + len(done.response_ids) - 1
+        routes = np.ascontiguousarray(np.asarray(done.routing)[:rows], dtype=np.int32)
+        meta["routed_experts"] = wire.encode_routed_experts(routes.tobytes())
+    return {"text": text, "output_ids": list(done.response_ids), "meta_info": meta}
+
+
+class Progress:
+    """A streamed prompt's latest tokens, handed from the engine's thread to the event loop.
+    Only the newest state is kept: a slow client gets fewer, fuller chunks."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.changed = asyncio.Event()
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+
+    def update(self, ids: list[int], logprobs: list[float]) -> None:  # on the engine's thread
+        snapshot = (list(ids), list(logprobs))
+        self._loop.call_soon_threadsafe(self._set, snapshot)
+
+    def _set(self, snapshot: tuple[list[int], list[float]]) -> None:
+        self.ids, self.logprobs = snapshot
+        self.changed.set()
+
+
+async def stream_answer(
+    state: ServeState,
+    item: GenerateItem,
+    prompt_tokens: int,
+    wait: asyncio.Future[Finished],
+    progress: Progress,
+) -> AsyncIterator[bytes]:
+    """Server-sent events as SGLang sends them by default: each chunk holds the whole answer so
+    far (text, output_ids, output_token_logprobs) with finish_reason null, the last one the
+    finished answer; then `[DONE]`."""
+    while not wait.done():
+        changed = asyncio.ensure_future(progress.changed.wait())
+        either: list[asyncio.Future[Any]] = [wait, changed]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        changed.cancel()
+        if progress.changed.is_set() and not wait.done():
+            progress.changed.clear()
+            chunk = partial_answer(state, item, prompt_tokens, progress.ids, progress.logprobs)
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+    yield f"data: {json.dumps(answer(state, item, wait.result()))}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+def partial_answer(
+    state: ServeState, item: GenerateItem, prompt_tokens: int, ids: list[int], logprobs: list[float]
+) -> dict[str, Any]:
+    """A streamed chunk before the end: the answer so far, finish_reason null."""
+    tok, s = state.tokenizer, item.sampling
+    meta: dict[str, Any] = {
+        "id": item.rid,
+        "finish_reason": None,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(ids),
+        "weight_version": state.version_label,
+    }
+    if item.return_logprob:
+        meta["output_token_logprobs"] = [
+            [float(lp), int(t), tok.decode([t]) if item.return_text_in_logprobs else None]
+            for lp, t in zip(logprobs, ids, strict=True)
+        ]
+    text = tok.decode(
+        ids,
+        skip_special_tokens=s.skip_special_tokens,
+        spaces_between_special_tokens=s.spaces_between_special_tokens,
+    )
+    return {"text": text, "output_ids": list(ids), "meta_info": meta}
