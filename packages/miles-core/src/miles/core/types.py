@@ -85,7 +85,8 @@ class SamplingParams:
     # The k most likely tokens and their logprobs at each response position (0: none).
     top_logprobs: int = 0
     # Also the logprob of each prompt token after the first, given the tokens before it (and its
-    # top_logprobs): SGLang's input_token_logprobs, OpenAI's echo, /v1/score.
+    # top_logprobs): SGLang's input_token_logprobs, OpenAI's echo, /v1/score. Raw, unlike the
+    # response's: log_softmax(logits) at temperature 1, without penalties or constraint.
     prompt_logprobs: bool = False
     # Structured output: which tokens may come next (None: any). Stateful, one per request, so it
     # is never shared between requests and never compared.

@@ -29,6 +29,7 @@ from transformers.cache_utils import (
 )
 
 from miles.core.types import GenerateRequest
+from miles.torch.engine.logits import LogitsProcessor, TopLogprobs
 from miles.torch.engine.sampler import SamplingTensors
 
 # Cache layers whose padded slots stay inert: attention masks them, and linear-attention models
@@ -50,6 +51,10 @@ class Row:
     routing: list[torch.Tensor] = field(default_factory=list)
     routing_weights: list[torch.Tensor] = field(default_factory=list)
     done: bool = False  # finished and reported; still occupies its slot until `compact`
+    # What the request asked for beyond logprobs (see `logits`).
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 def batching_mode(cache: DynamicCache) -> tuple[str, str]:
@@ -84,6 +89,8 @@ class Batch:
     last_tokens: torch.Tensor  # [rows] int64: the next token to feed
     params: SamplingTensors
     padded: bool = True  # False: every row has the same length and the mask is all ones
+    # Penalties and constraints of the rows (state kept while the rows stay the same).
+    processor: LogitsProcessor | None = None
 
     def __len__(self) -> int:
         return len(self.rows)

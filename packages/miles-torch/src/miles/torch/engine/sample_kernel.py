@@ -6,7 +6,9 @@ logits and without materialising the fp32 log-probabilities of the whole vocabul
 
 The arithmetic is `sampler.sample`'s (fp32, logprob = log_softmax(logits / T)[token]); only the
 order of the sums differs, so a uniform that falls within rounding of a CDF boundary may pick
-the neighbouring token. Rows with top-k, top-p or min-p take the torch path.
+the neighbouring token. Rows with top-k, top-p or min-p, and batches with a structured-output
+constraint (whose masked logits are -inf, which the online softmax does not take), take the
+torch path.
 """
 
 from __future__ import annotations

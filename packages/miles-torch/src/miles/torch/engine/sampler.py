@@ -8,6 +8,9 @@ bounds, which is safe: a filter that keeps every token changes nothing.
 A request with `SamplingParams.seed` draws the uniform for its n-th response token from a
 counter-based hash of (seed, n) instead of the engine's generator, so it samples the same tokens
 whatever it is batched with, on either path, and after a preemption.
+
+Penalties and structured-output masks change the logits before they get here (`logits`), so the
+logprobs are those of the distribution the row samples from.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ class SamplingTensors:
     top_k_everywhere: bool = False  # every row has a top-k
     p_filters: bool = False  # some row has top_p < 1 or min_p > 0
     seeded: bool = False
+    # Host-side flags of the per-request extras (`logits`): only batches with such a row pay.
+    penalized: bool = False  # some row has a frequency, presence or repetition penalty
+    constrained: bool = False  # some row has a structured-output constraint
+    top_logprobs: int = 0  # the largest SamplingParams.top_logprobs of the rows
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device) -> SamplingTensors:
@@ -58,6 +65,9 @@ class SamplingTensors:
             top_k_everywhere=bool(params) and len(ks) == len(params),
             p_filters=any(p.top_p < 1 or p.min_p > 0 for p in params),
             seeded=any(p.seed is not None for p in params),
+            penalized=any(p.penalized for p in params),
+            constrained=any(p.constraint is not None for p in params),
+            top_logprobs=max((p.top_logprobs for p in params), default=0),
         )
 
     def select(self, rows: torch.Tensor) -> SamplingTensors:
@@ -72,6 +82,9 @@ class SamplingTensors:
             self.top_k_everywhere,
             self.p_filters,
             self.seeded,
+            self.penalized,
+            self.constrained,
+            self.top_logprobs,
         )
 
     @staticmethod
@@ -92,6 +105,9 @@ class SamplingTensors:
             top_k_everywhere=all(p.top_k_everywhere for p in parts),
             p_filters=any(p.p_filters for p in parts),
             seeded=any(p.seeded for p in parts),
+            penalized=any(p.penalized for p in parts),
+            constrained=any(p.constrained for p in parts),
+            top_logprobs=max((p.top_logprobs for p in parts), default=0),
         )
 
 
@@ -110,7 +126,10 @@ def sample(
     """
     greedy = params.temperature <= 0
     temp = torch.where(greedy, 1.0, params.temperature)
-    if sample_kernel.available(logits) and not _filters(params, logits.shape[-1]):
+    # Constrained rows take the torch path: the kernel's online softmax does not take a block
+    # of logits that are all -inf (a structured-output mask).
+    fused = not (_filters(params, logits.shape[-1]) or params.constrained)
+    if fused and sample_kernel.available(logits):
         # One fused kernel: no [rows, vocab] fp32 intermediates, a few passes over the logits.
         if params.all_greedy:
             u = torch.zeros(logits.shape[0], device=logits.device)
@@ -126,6 +145,20 @@ def sample(
             drawn = ids.gather(1, drawn.unsqueeze(1)).squeeze(1)
         tokens = torch.where(greedy, tokens, drawn)
     return tokens, logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def top_k_logprobs(
+    logits: torch.Tensor, params: SamplingTensors
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, token ids), both [rows, k] with k = the batch's largest top_logprobs (at most
+    the vocabulary), most likely first: of the distribution `sample`'s logprobs come from,
+    log_softmax(logits / T) with T = 1 for greedy rows, filters not applied. Rows that asked
+    for fewer keep the first ones."""
+    greedy = params.temperature <= 0
+    temp = torch.where(greedy, 1.0, params.temperature).unsqueeze(1)
+    k = min(params.top_logprobs, logits.shape[-1])
+    values, ids = torch.log_softmax(logits.float() / temp, dim=-1).topk(k, dim=-1)
+    return values, ids
 
 
 def _filters(params: SamplingTensors, vocab: int) -> bool:

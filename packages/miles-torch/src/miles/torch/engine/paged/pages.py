@@ -61,9 +61,12 @@ class PagePool:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Pages of the prefix cache that hold `seq`'s leading full pages, stopping so that at
-        least its last token is left to compute."""
+        least its last token is left to compute; none for a sequence that still needs its prompt
+        logprobs (every prompt position's logits, which the cache does not keep)."""
         tokens, size = seq.tokens, self.page_size
         pages: list[int] = []
+        if seq.needs_prompt_logprobs:
+            return pages
         previous = None
         for start in range(0, len(tokens) - 1 - size + 1, size):
             previous = block_hash(tokens[start : start + size], previous)

@@ -10,12 +10,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import structlog
 import torch
 
 from miles.core.config import ReplayMode
 from miles.core.types import GenerateRequest
 from miles.torch.engine.config import TorchEngineConfig
+from miles.torch.engine.logits import LogitsProcessor, add_prompt_logprobs, sample_rows, take
 from miles.torch.engine.paged import kv_cache
 from miles.torch.engine.paged.attention import DecodeMeta, PrefillMeta
 from miles.torch.engine.paged.graphs import DecodeGraphs
@@ -24,7 +26,7 @@ from miles.torch.engine.paged.pages import PagePool
 from miles.torch.engine.paged.routes import RouteCache
 from miles.torch.engine.paged.scheduler import Scheduler, Step
 from miles.torch.engine.paged.sequence import Sequence, Status
-from miles.torch.engine.sampler import SamplingTensors, sample
+from miles.torch.engine.sampler import SamplingTensors
 
 log = structlog.get_logger(__name__)
 
@@ -38,11 +40,16 @@ class PagedRunner:
         finish_reason: Callable[[Sequence], str | None],
         record_routing: ReplayMode = "off",
         routing_dtype: np.dtype[Any] | None = None,
+        constraint_vocab: int | None = None,
     ) -> None:
+        """`finish_reason(seq)` is called once per token appended to a response (see
+        `stops.StopChecker`); `constraint_vocab`: what constraints' bitmasks cover (None: the
+        model's vocabulary)."""
         self.settings = settings
         self.device = hf_model.device
         self.generator = generator
         self.finish_reason = finish_reason
+        self.processor = LogitsProcessor(constraint_vocab or hf_model.config.vocab_size)
         self.model = PagedModel(hf_model, settings.max_context)
         self.record_routing = record_routing
         self.routing_dtype = routing_dtype if routing_dtype is not None else np.dtype(np.int32)
@@ -150,6 +157,11 @@ class PagedRunner:
         self._read_routes()
 
     @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV cache holds at most (page 0 is the padding page)."""
+        return (self.pool.num_pages - 1) * self.pool.page_size
+
+    @property
     def prefix_hit_rate(self) -> float:
         return self.pool.hits / self.pool.lookups if self.pool.lookups else 0.0
 
@@ -171,37 +183,40 @@ class PagedRunner:
                 self._decode_burst(step.seqs, burst)
                 return
         sampled = step.sampled()
-        if step.is_prefill:
-            logits = self._prefill(step)
-            picked = [i for i, s in enumerate(step.seqs) if s in set(sampled)]
-            logits = logits[picked] if len(picked) < len(step.seqs) else logits
-        else:
-            logits = self._decode_rows(step.seqs)
+        logits = self._prefill(step) if step.is_prefill else self._decode_rows(step.seqs)
         for seq, n in zip(step.seqs, step.chunks, strict=True):
             seq.num_computed += n
+        if any(not s.request.sampling.max_new_tokens for s in sampled):
+            # Requests that only wanted their prompt logprobs: done, nothing sampled.
+            keep = [i for i, s in enumerate(sampled) if s.request.sampling.max_new_tokens]
+            for seq in sampled:
+                if not seq.request.sampling.max_new_tokens:
+                    self._finish(seq, "length")
+            sampled, logits = [sampled[i] for i in keep], logits[keep]
         if not sampled:
             return
         params = self._sampling(sampled)
-        tokens, logprobs = sample(logits, params, self.generator, self._counters(sampled, params))
-        # One transfer, one wait: token ids are exact in float64.
-        drawn = torch.stack([tokens.double(), logprobs.double()]).cpu().numpy()
-        for seq, token, logprob in zip(
-            sampled, drawn[0].astype(int).tolist(), drawn[1].tolist(), strict=True
-        ):
-            self._take(seq, token, logprob)
+        counters = self._counters(sampled, params)
+        _, packed = sample_rows(logits, sampled, params, self.processor, self.generator, counters)
+        drawn = packed.cpu().numpy()  # one transfer, one wait
+        for j, seq in enumerate(sampled):
+            self._take(seq, drawn, j)
 
-    def _take(self, seq: Sequence, token: int, logprob: float) -> bool:
-        """Append a sampled token; True (and the sequence finished) when it ends the request."""
-        seq.response.append(token)
-        seq.logprobs.append(logprob)
+    def _take(self, seq: Sequence, drawn: npt.NDArray[np.float64], j: int) -> bool:
+        """Append the token sampled for `seq` (column `j` of `pack`'s output on the host); True
+        (and the sequence finished) when it ends the request."""
+        take(seq, drawn, j)
         reason = self.finish_reason(seq)
         if reason is None:
             return False
+        self._finish(seq, reason)
+        return True
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
         assert self.scheduler is not None
         self.pool.register(seq, seq.num_computed)  # for a later turn of the conversation
         self._keep_routes(seq)
         self.scheduler.finish(seq, reason)
-        return True
 
     def _keep_routes(self, seq: Sequence) -> None:
         """Note where `seq`'s computed tokens' routes are, before its pages go back."""
@@ -228,7 +243,11 @@ class PagedRunner:
 
     def _burst_length(self, seqs: list[Sequence]) -> int:
         """How many decode steps to run before the host looks at the tokens: up to
-        `decode_burst`, no more than any row may still make, and only while pages last."""
+        `decode_burst`, no more than any row may still make, and only while pages last. Rows
+        with penalties or a constraint need the host between tokens: no burst."""
+        params = self._sampling(seqs)
+        if params.penalized or params.constrained:
+            return 1
         room = min(s.request.sampling.max_new_tokens - len(s.response) for s in seqs)
         burst = min(self.settings.decode_burst, room)
         if burst <= 1:
@@ -246,23 +265,25 @@ class PagedRunner:
         row sampled after its stop are dropped (their K/V sit in pages the row then returns)."""
         params = self._sampling(seqs)
         counters = self._counters(seqs, params)
-        rows = len(seqs)
-        tokens = torch.empty((burst, rows), dtype=torch.float64, device=self.device)
-        logprobs = torch.empty_like(tokens)
+        steps = []
         logits = self._decode_rows(seqs)
         for i in range(burst):
-            sampled, logprob = sample(
-                logits, params, self.generator, None if counters is None else counters + i
+            sampled, packed = sample_rows(
+                logits,
+                seqs,
+                params,
+                self.processor,
+                self.generator,
+                None if counters is None else counters + i,
             )
-            tokens[i], logprobs[i] = sampled, logprob
+            steps.append(packed)
             if i + 1 < burst:
                 logits = self._advance(seqs, sampled, step=i + 1)
-        drawn = torch.stack([tokens, logprobs]).cpu().numpy()
-        ids = drawn[0].astype(int)
+        drawn = torch.stack(steps).cpu().numpy()  # [burst, 2 + 2k, rows]
         for j, seq in enumerate(seqs):
             for i in range(burst):
                 seq.num_computed += 1  # the token fed at step i
-                if self._take(seq, int(ids[i, j]), float(drawn[1, i, j])):
+                if self._take(seq, drawn[i], j):
                     break
 
     def _sampling(self, rows: list[Sequence]) -> SamplingTensors:
@@ -284,12 +305,17 @@ class PagedRunner:
         return torch.tensor([len(s.response) for s in rows], device=self.device)
 
     def _prefill(self, step: Step) -> torch.Tensor:
+        """Run the step's chunks; the next-token logits of the rows that sample after it (their
+        chunk ends their tokens), and the prompt logprobs of the rows that asked."""
         assert self.kv is not None
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         key_slots: list[int] = []
         cu_q, cu_k, last = [0], [0], []
+        keep: list[int] = []  # packed tokens whose logits the forward returns
+        sampled: list[int] = []  # the sampling rows among them
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []  # (seq, position, count, at)
         for seq, n in zip(step.seqs, step.chunks, strict=True):
             start, end = seq.num_computed, seq.num_computed + n
             seq_slots = self.pool.slots(seq, end)
@@ -297,9 +323,18 @@ class PagedRunner:
             positions += range(start, end)
             slots += seq_slots[start:end]
             key_slots += seq_slots
+            if seq.needs_prompt_logprobs:
+                # Positions start .. predict prompt tokens start + 1 ..; computed in order, from 0.
+                assert start == len(seq.prompt_logprobs), "prompt logprobs skipped a position"
+                count = min(end, len(seq.request.prompt_ids) - 1) - start
+                prompt_rows.append((seq, start, count, len(keep)))
+                keep += range(cu_q[-1], cu_q[-1] + count)
             cu_q.append(cu_q[-1] + n)
             cu_k.append(cu_k[-1] + end)
             last.append(cu_q[-1] - 1)
+            if seq.num_uncomputed == n:
+                sampled.append(len(keep))
+                keep.append(last[-1])
         device = self.device
         meta = PrefillMeta(
             slots=torch.tensor(slots, device=device),
@@ -312,13 +347,16 @@ class PagedRunner:
             k_lens=[c - p for c, p in zip(cu_k[1:], cu_k, strict=False)],
             last=torch.tensor(last, device=device),
         )
-        return self.model.forward(
+        logits = self.model.forward(
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),
             self.kv,
             meta,
-            last=meta.last,
+            last=meta.last if keep in (last, []) else torch.tensor(keep, device=device),
         )
+        for seq, start, count, at in prompt_rows:
+            add_prompt_logprobs(seq, logits[at : at + count], start)
+        return logits if len(sampled) == len(keep) else logits[sampled]
 
     def _decode_rows(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits of one decode step of `seqs` (each feeds its last token)."""

@@ -32,6 +32,10 @@ class Sequence:
     # MoE routing record [tokens, moe_layers, top_k] (and gate weights), set when it finishes.
     routing: npt.NDArray[np.integer[Any]] | None = None
     routing_weights: npt.NDArray[np.float32] | None = None
+    # What the request asked for beyond logprobs (see `engine.logits`).
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -39,6 +43,17 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.request.prompt_ids) + len(self.response)
+
+    @property
+    def done(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and has not all of them yet: its prompt positions must be
+        computed, none taken from the prefix cache."""
+        wanted = len(self.request.prompt_ids) - 1
+        return self.request.sampling.prompt_logprobs and len(self.prompt_logprobs) < wanted
 
     @property
     def num_uncomputed(self) -> int:
