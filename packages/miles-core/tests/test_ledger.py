@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from miles.core.runtime.ledger import SampleLedger
-from miles.core.types import Sample
+from miles.core.types import Sample, SampleStatus
 
 
 def test_groups_get_dense_unique_ids() -> None:
@@ -29,12 +29,13 @@ def test_groups_get_dense_unique_ids() -> None:
     }
 
 
-def test_record_writes_each_sample_with_its_fate(tmp_path: Path) -> None:
+def test_record_writes_each_sample_with_its_fate_and_status(tmp_path: Path) -> None:
     path = tmp_path / "samples.jsonl"
     ledger = SampleLedger(path)
     a = Sample(prompt_ids=[1], sample_id=4, group_id=1, reward=0.5, weight_version=[2, 3, 1])
     b = Sample(prompt_ids=[1], sample_id=5, group_id=1, reward=1.0, weight_version=7)
     c = Sample(prompt_ids=[1], sample_id=6, group_id=2, reward=0.0, weight_version=[])
+    c.status, c.error = SampleStatus.FAILED, "the agent raised KeyError: 'x'"
     ledger.record([a, b], step=3, fate="trained")
     ledger.record([c], step=4, fate="stale")
     ledger.record([], step=4, fate="filtered")
@@ -47,6 +48,7 @@ def test_record_writes_each_sample_with_its_fate(tmp_path: Path) -> None:
             "fate": "trained",
             "reward": 0.5,
             "weight_versions": [1, 3],
+            "status": "completed",
         },
         {
             "sample_id": 5,
@@ -55,6 +57,7 @@ def test_record_writes_each_sample_with_its_fate(tmp_path: Path) -> None:
             "fate": "trained",
             "reward": 1.0,
             "weight_versions": [7, 7],
+            "status": "completed",
         },
         {
             "sample_id": 6,
@@ -63,6 +66,8 @@ def test_record_writes_each_sample_with_its_fate(tmp_path: Path) -> None:
             "fate": "stale",
             "reward": 0.0,
             "weight_versions": [0, 0],
+            "status": "failed",
+            "error": "the agent raised KeyError: 'x'",
         },
     ]  # fmt: skip  (the loop's index 3 is step 4: samples.jsonl numbers steps from 1)
     assert ledger.metrics()["samples/trained"] == 2.0

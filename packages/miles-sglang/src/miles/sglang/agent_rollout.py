@@ -58,7 +58,12 @@ class AgentRollout:
         error = trajectory.diverged or error  # the root cause, when the agent only saw a 400
         if error is None and trajectory.calls == 0:
             error = "the agent made no model call"
-        return _sample(group, sample_id, trajectory, outcome, error, out_of_budget())
+        sample = _sample(group, sample_id, trajectory, outcome, error, out_of_budget())
+        if trajectory.refused is not None:  # counted as agent/refused/<reason>
+            sample.metadata["agent_refused"] = trajectory.refused
+        elif error is None and (drift := trajectory.retemplate_drift()) is not None:
+            sample.metadata["agent_retemplate_drift"] = drift  # agent/retemplate_drift_frac
+        return sample
 
     async def _run(self, session: AgentSession) -> Any:
         call = type(self.agent).__call__ if not inspect.isroutine(self.agent) else self.agent

@@ -1,16 +1,18 @@
 """One agent episode's token record: every call the agent made, joined into the one token
 sequence the trainer sees, with no re-tokenization of anything the model generated.
 
-Each call's prompt must extend the sequence so far (the previous prompt and the tokens generated
-for it). The new part (the assistant turn's closing tokens, then tool results or user messages)
-is tokenized alone and masked out of the loss; generated tokens keep their ids, logprobs and
-weight versions. A call whose prompt rewrites earlier turns cannot be joined: it is refused
-(`Diverged`) and the episode fails with that reason.
+Each call's prompt extends the sequence so far (the previous prompt and the tokens generated for
+it). A chat call's new part is what the chat template renders after the last reply (its closing
+tokens, the new messages, the generation prompt: `chat_append`), tokenized alone and masked out of
+the loss; generated tokens keep their ids, logprobs and weight versions, thinking tokens included,
+whatever a fresh rendering of the conversation would make of them. A call that rewrites earlier
+turns cannot be joined: it is refused (`Diverged`, with a one-word `reason`) and the episode
+fails with that reason.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,25 +21,37 @@ import numpy.typing as npt
 
 from miles.core.protocols import Tokenizer
 from miles.core.types import GenerateResult, token_versions
-
-_SENTINEL = "\x00miles-content\x00"
+from miles.sglang import chat_append
+from miles.sglang.chat_append import NotAppendable, Render, ids_of
 
 
 class Diverged(ValueError):
-    """A call's prompt does not extend the episode's token sequence."""
+    """A call's prompt does not extend the episode's token sequence; `reason` says why in a word
+    (the rollout counts them as `agent/refused/<reason>`)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
-def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
-    def key(m: dict[str, Any]) -> tuple[str, str]:
-        return str(m.get("role")), str(m.get("content") or "")
-
-    return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b, strict=True))
+def _content(message: dict[str, Any]) -> str:
+    return str(message.get("content") or "")
 
 
-def _ids(encoded: Any) -> list[int]:
-    if isinstance(encoded, Mapping):  # transformers 5 returns a BatchEncoding
-        encoded = encoded["input_ids"]
-    return [int(t) for t in encoded]
+def _same(sent: list[dict[str, Any]], kept: list[dict[str, Any]]) -> bool:
+    """Whether the agent sent back the conversation it had: the same roles and contents, except
+    that the last reply may come back without its reasoning (`<think>...</think>`), which Qwen3's
+    and DeepSeek's templates drop themselves (the sample keeps the tokens the model generated)."""
+    if len(sent) != len(kept) or not kept:
+        return False
+    if any(a.get("role") != b.get("role") for a, b in zip(sent, kept, strict=True)):
+        return False
+    if any(_content(a) != _content(b) for a, b in zip(sent[:-1], kept[:-1], strict=True)):
+        return False
+    back, reply = _content(sent[-1]), _content(kept[-1])
+    return back == reply or (
+        "</think>" in reply and back.strip() == reply.split("</think>")[-1].strip()
+    )
 
 
 @dataclass
@@ -51,12 +65,15 @@ class Trajectory:
     routing: npt.NDArray[np.integer[Any]] | None = None
     calls: int = 0
     finish_reasons: list[str] = field(default_factory=list)
-    diverged: str | None = None
+    diverged: str | None = None  # why a call was refused, in full
+    refused: str | None = None  # ... and in a word
     _generated: int = 0  # tokens the last call generated
     # What the last call left, to check that the next one extends it.
     _messages: list[dict[str, Any]] | None = None  # chat: its messages and the reply
     _text: str | None = None  # completions: its prompt text and the reply's text
-    _chat_render: tuple[Any, dict[str, Any]] | None = None  # chat: (tools, template kwargs)
+    _chat_render: Render | None = None  # chat: (tools, template kwargs)
+    _paired: bool = True  # the prompt being generated is its messages' rendering
+    _unpaired_call: int = 0  # the last call whose input_ids were not its messages' rendering
 
     @property
     def ids(self) -> list[int]:
@@ -68,35 +85,76 @@ class Trajectory:
         self, messages: list[dict[str, Any]], tools: Any, template_kwargs: dict[str, Any]
     ) -> list[int]:
         """The token ids to send for a chat call: the first call's rendered chat; later calls
-        extend the sequence with the closing tokens of the last reply and the new messages."""
-        render = (tools, template_kwargs)
-        if self.calls == 0:
-            return _ids(self._render(messages, render, generation=True, tokenize=True))
-        prev = self._messages
-        if prev is None or self._chat_render != render:
-            self._diverge("it is a chat call after a completion call, or changed tools")
-        assert prev is not None
-        if len(messages) <= len(prev) or not _same(messages[: len(prev)], prev):
-            self._diverge(
-                "its messages do not start with the previous call's messages and the reply "
-                "it returned"
-            )
-        before = self._render(prev, render, generation=False)
-        now = self._render(messages, render, generation=True)
-        if not now.startswith(before):
-            self._diverge("the chat template renders the earlier turns differently now")
-        return self.ids + self._closing(render) + self._encode(now[len(before) :])
+        append what the chat template renders after the last reply (`chat_append`)."""
+        ids = self._refusing(self._chat_ids, messages, (tools, template_kwargs))
+        self._paired = True
+        return ids
+
+    def input_ids_prompt(
+        self,
+        input_ids: list[int],
+        messages: list[dict[str, Any]],
+        tools: Any,
+        template_kwargs: dict[str, Any],
+    ) -> list[int]:
+        """A chat call with its own `input_ids`: they must extend the episode's tokens. When
+        they are exactly what `chat_prompt` gives for its messages, the messages are kept, so a
+        later call may send messages again; otherwise a later messages call is refused."""
+        ids = self.completion_prompt(input_ids)
+        try:
+            self._paired = self._chat_ids(messages, (tools, template_kwargs)) == ids
+        except Exception:  # refused, or the template cannot render them: not their rendering
+            self._paired = False
+        return ids
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self._refusing(self._completion_ids, prompt)
+
+    def _chat_ids(self, messages: list[dict[str, Any]], render: Render) -> list[int]:
+        if self.calls == 0:
+            return ids_of(
+                chat_append.render(self.tokenizer, messages, render, generation=True, tokenize=True)
+            )
+        prev = self._messages
+        if prev is None:
+            if self._unpaired_call:
+                raise self._refusal(
+                    "messages_after_input_ids",
+                    f"it sends messages, but call {self._unpaired_call} sent input_ids that are "
+                    "not the chat template's rendering of its messages, so the episode's tokens "
+                    "do not follow from messages any more: keep sending input_ids (the last "
+                    "prompt_token_ids and token_ids, then your new tokens)",
+                )
+            raise self._refusal("mixed_api", "it is a chat call after a completion call")
+        if self._chat_render != render:
+            raise self._refusal(
+                "changed_template_args",
+                "its tools or chat_template_kwargs are not the previous call's",
+            )
+        if len(messages) <= len(prev) or not _same(messages[: len(prev)], prev):
+            raise self._refusal(
+                "edited_history",
+                "its messages do not start with the previous call's messages and the reply it returned",
+            )
+        try:
+            text = chat_append.after_reply(self.tokenizer, prev, messages[len(prev) :], render)
+        except NotAppendable as exc:
+            raise self._refusal(exc.reason, str(exc)) from None
+        return self.ids + self._encode_after(text)
+
+    def _completion_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             if self.calls and prompt[: len(self.ids)] != self.ids:
-                self._diverge("its prompt token ids do not start with the episode's tokens")
+                raise self._refusal(
+                    "token_prefix", "its prompt token ids do not start with the episode's tokens"
+                )
             return list(prompt)
         if self.calls == 0:
             return self._encode(prompt)
         if self._text is None or not prompt.startswith(self._text):
-            self._diverge("its prompt text does not start with the previous prompt and reply")
-        assert self._text is not None
+            raise self._refusal(
+                "text_prefix", "its prompt text does not start with the previous prompt and reply"
+            )
         return self.ids + self._encode(prompt[len(self._text) :])
 
     # -- recording a call ----------------------------------------------------------------------
@@ -130,13 +188,36 @@ class Trajectory:
         tools: Any,
         template_kwargs: dict[str, Any],
     ) -> None:
+        """After a chat call: its messages and reply, which the next call must extend (unless
+        its prompt was input_ids that are not their rendering: then only input_ids may follow)."""
+        self._text = None
+        if not self._paired:
+            self._messages, self._chat_render, self._unpaired_call = None, None, self.calls
+            return
         self._messages = [*messages, {"role": "assistant", "content": reply}]
         self._chat_render = (tools, template_kwargs)
-        self._text = None
 
     def remember_completion(self, prompt: str | list[int], reply: str) -> None:
         self._text = prompt + reply if isinstance(prompt, str) else None
-        self._messages = None
+        self._messages, self._unpaired_call = None, 0
+
+    def retemplate_drift(self) -> bool | None:
+        """Whether the chat template, rendering the episode's final conversation afresh, gives
+        other tokens than the episode's (what training on a re-rendered conversation would have
+        changed); None when the episode did not end with a chat call."""
+        if self._messages is None or self._chat_render is None or not self.calls:
+            return None
+        render = self._chat_render
+        try:
+            fresh = chat_append.render(
+                self.tokenizer, self._messages, render, generation=False, tokenize=True
+            )
+            closing = chat_append.after_reply(
+                self.tokenizer, self._messages, [], render, generation=False
+            )
+        except Exception:  # a metric: it never fails an episode
+            return None
+        return ids_of(fresh) != self.ids + self._encode_after(closing)
 
     def fitted_routing(self) -> npt.NDArray[np.integer[Any]] | None:
         """The routing record over exactly the sequence (tokens after the last reply: -1)."""
@@ -149,40 +230,26 @@ class Trajectory:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _diverge(self, why: str) -> None:
-        self.diverged = (
-            f"call {self.calls + 1} of the episode cannot be trained on: {why}. Miles trains on "
-            "one token sequence per sample: append to the conversation (never edit or drop "
-            "earlier messages), or end the episode"
+    def _refusing(self, build: Callable[..., list[int]], *args: Any) -> list[int]:
+        """`build(*args)`, recording a refusal on the episode."""
+        try:
+            ids = build(*args)
+        except Diverged as exc:
+            self.refused, self.diverged = exc.reason, str(exc)
+            raise
+        return ids
+
+    def _refusal(self, reason: str, why: str) -> Diverged:
+        return Diverged(
+            reason,
+            f"call {self.calls + 1} of the episode cannot be trained on ({reason}): {why}. Miles "
+            "trains on one token sequence per sample: append to the conversation (never edit or "
+            "drop earlier messages), or end the episode",
         )
-        raise Diverged(self.diverged)
 
     def _encode(self, text: str) -> list[int]:
-        return _ids(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        return ids_of(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
-    def _render(
-        self,
-        messages: list[dict[str, Any]],
-        render: tuple[Any, dict[str, Any]],
-        *,
-        generation: bool,
-        tokenize: bool = False,
-    ) -> Any:
-        tools, kwargs = render
-        return self.tokenizer.apply_chat_template(
-            messages,  # type: ignore[arg-type]
-            tools=tools,
-            add_generation_prompt=generation,
-            tokenize=tokenize,
-            **kwargs,
-        )
-
-    def _closing(self, render: tuple[Any, dict[str, Any]]) -> list[int]:
-        """The tokens the chat template puts after an assistant message's content (ChatML:
-        `<|im_end|>` and a newline), less the end-of-turn token when the model generated it."""
-        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
-        text = str(self._render(probe, render, generation=False))
-        closing = self._encode(text[text.rfind(_SENTINEL) + len(_SENTINEL) :])
-        if closing and self._generated and self.response_ids[-1] == closing[0]:
-            return closing[1:]
-        return closing
+    def _encode_after(self, text: str) -> list[int]:
+        last = self.response_ids[-1] if self._generated and self.response_ids else None
+        return chat_append.encode_after(self.tokenizer, text, last)

@@ -1,7 +1,8 @@
 """The sample ledger: every sample id is handed out here and ends in exactly one place.
 
 Ids are unique over the run (and checkpointed). When a step is taken, each of its samples is
-written to `samples.jsonl` with its fate: trained, filtered, or stale (dropped for being too old).
+written to `samples.jsonl` with its fate: trained, filtered, or stale (dropped for being too old),
+its status and, for a failed sample, the error.
 The running counts become the `samples/*` metrics.
 """
 
@@ -61,7 +62,10 @@ class SampleLedger:
                     "fate": fate,
                     "reward": s.reward,
                     "weight_versions": [min(versions, default=0), max(versions, default=0)],
+                    "status": s.status.value,
                 }
+                if s.error:  # why it failed (an agent's refused call names its reason)
+                    row["error"] = s.error
                 f.write(json.dumps(row) + "\n")
 
     def metrics(self) -> dict[str, float]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from miles.core.runtime.buffer import StepBatch
@@ -22,6 +24,7 @@ def rollout_metrics(
     extra = {"rollout/turns_mean": float(np.mean(turns))} if turns else {}
     return {
         **extra,
+        **agent_metrics(flat),
         "rollout/reward_mean": float(np.mean(rewards)) if rewards else 0.0,
         "rollout/reward_std": float(np.std(rewards)) if rewards else 0.0,
         "rollout/response_len_mean": float(np.mean(lengths)) if lengths else 0.0,
@@ -39,3 +42,25 @@ def rollout_metrics(
         "rollout/oversample_rounds": float(batch.extra_rounds),
         "perf/rollout_s": seconds,  # generating it; the trainer may wait less
     }
+
+
+def agent_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Episodes of rollout function `agent`: `agent/refused/<reason>`, episodes failed by a call
+    the gateway refused, by reason, and `agent/refused` in all; `agent/retemplate_drift_frac`, of
+    the accepted episodes that ended with a chat call, the share whose conversation the chat
+    template renders afresh into other tokens than the ones trained on."""
+    refused = Counter(
+        str(s.metadata["agent_refused"]) for s in samples if s.metadata.get("agent_refused")
+    )
+    drift = [
+        bool(s.metadata["agent_retemplate_drift"])
+        for s in samples
+        if "agent_retemplate_drift" in s.metadata
+    ]
+    if not refused and not drift:
+        return {}
+    out = {f"agent/refused/{reason}": float(n) for reason, n in sorted(refused.items())}
+    out["agent/refused"] = float(sum(refused.values()))
+    if drift:
+        out["agent/retemplate_drift_frac"] = float(np.mean(drift))
+    return out
