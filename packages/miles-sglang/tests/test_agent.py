@@ -144,6 +144,50 @@ def test_the_sample_is_exactly_what_the_server_reported_to_the_agent(engine: Any
             assert abs(logp[n - 1 + i].item() - sample.rollout_logprobs[i]) < 1e-4
 
 
+def test_a_streamed_episode_trains_on_what_was_streamed(engine: Any) -> None:
+    """The official openai client streams two turns through the gateway: the text it pieced
+    together is each turn's answer, and the sample holds the same tokens as unstreamed calls."""
+    import openai
+
+    streamed: list[str] = []
+    finals: list[Any] = []
+
+    def agent(session: AgentSession) -> AgentOutcome:
+        client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        messages: list[Any] = [{"role": "user", "content": "add 2 and 3"}]
+        for turn in range(2):
+            text, last = "", None
+            for chunk in client.chat.completions.create(
+                model=session.model, messages=messages, max_tokens=6, stream=True,
+                stream_options={"include_usage": True}, logprobs=True,
+                extra_body={"return_token_ids": True},
+            ):  # fmt: skip
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+                    if choice.finish_reason is not None:
+                        last = choice
+                if chunk.usage is not None:
+                    finals.append(chunk.usage)
+            streamed.append(text)
+            finals.append(last)
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": f"tool says {turn}"}]  # fmt: skip
+        return AgentOutcome(1.0, {})
+
+    sample = run_episode(rollout_with(agent), engine)
+    assert sample.status is SampleStatus.COMPLETED, sample.error
+    lasts = [f for f in finals if hasattr(f, "finish_reason")]
+    usages = [f for f in finals if hasattr(f, "completion_tokens")]
+    assert len(lasts) == 2 and len(usages) == 2
+    for text, last, usage in zip(streamed, lasts, usages, strict=True):
+        ids = (last.model_extra or {})["token_ids"]
+        assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+        assert usage.completion_tokens == len(ids) == len(last.logprobs.content)
+        assert ids == sample.response_ids[: len(ids)] or any(
+            sample.response_ids[i : i + len(ids)] == ids for i in range(len(sample.response_ids))
+        )
+
+
 def test_an_edited_history_is_refused_and_fails_the_sample_with_the_reason(engine: Any) -> None:
     agent = Recorder(calls=2, edit_history=True)
     sample = run_episode(rollout_with(agent), engine)
@@ -179,9 +223,8 @@ def test_the_gateway_answers_bad_calls_with_clear_errors(engine: Any) -> None:
         seen["models"] = post(url.replace("/v1", "/v1/models"), {})[0]  # GET only
         seen["bad_json"] = post(f"{url}/chat/completions", {"messages": "hi"})
         seen["unknown"] = post(f"{url}/chat/completions", {"messages": [], "frequency": 1})
-        seen["stream"] = post(
-            f"{url}/chat/completions",
-            {"messages": [{"role": "user", "content": "x"}], "stream": True},
+        seen["n"] = post(
+            f"{url}/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}
         )
         seen["other"] = post(url.replace("/sessions/", "/sessions/x").rstrip("/") + "/completions",
                              {"prompt": "x"})  # fmt: skip
@@ -197,7 +240,7 @@ def test_the_gateway_answers_bad_calls_with_clear_errors(engine: Any) -> None:
     assert seen["models"] == 405
     assert seen["bad_json"][0] == 400 and "messages" in seen["bad_json"][1]["error"]["message"]
     assert seen["unknown"][0] == 400 and "frequency" in seen["unknown"][1]["error"]["message"]
-    assert seen["stream"][0] == 400 and "stream" in seen["stream"][1]["error"]["message"]
+    assert seen["n"][0] == 400 and "n must be 1" in seen["n"][1]["error"]["message"]
     assert seen["other"][0] == 404 and "no open episode" in seen["other"][1]["error"]["message"]
     assert seen["completion"][0] == 200
     assert seen["completion"][1]["choices"][0]["finish_reason"] in ("stop", "length")

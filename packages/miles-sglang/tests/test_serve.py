@@ -121,13 +121,14 @@ def test_batches_text_stream_and_stop_reasons(server):
         (b'{"input_ids": [1, 2', "malformed JSON"),
         (b'{"input_ids": [1, 2], "temprature": 1}', "unknown field 'temprature'"),
         (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}', "max_new_tokens must be >= 0"),
-        (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2000}}', "exceeds the context length 1024"),
+        (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2000}}', "exceeds the model's maximum context length of 1024"),
         (b'{"input_ids": [1, 2], "lora_path": "x"}', "'lora_path' is an SGLang field"),
         (b'{"input_ids": [1, 999]}', "input_ids must be in [0, 128)"),
         (b'{"input_ids": [1, 2], "text": "a"}', "exactly one of 'text' and 'input_ids'"),
         (b'{"input_ids": [1, 2], "return_logprob": "yes"}', "'return_logprob' must be"),
         (b'[1, 2]', "must be a JSON object"),
-        (b'{"input_ids": [1, 2], "logprob_start_len": 0}', "not supported"),
+        (b'{"input_ids": [1, 2], "logprob_start_len": -2}', "logprob_start_len must be >= -1"),
+        (b'{"input_ids": [1, 2], "sampling_params": {"min_new_tokens": 3}}', "'min_new_tokens' is an SGLang field"),
     ],
 )  # fmt: skip
 def test_bad_requests_get_a_clear_400_and_the_server_keeps_serving(server, raw, message):
@@ -338,12 +339,15 @@ def test_weights_from_disk_then_back(server, model, tmp_path):
         "/update_weights_from_disk", {"model_path": other, "weight_version": "disk"}
     )
     assert status == 200 and out["success"], out
+    assert server.call("/get_model_info")[1]["model_path"] == other  # SGLang: the model served
     prompt = [9, 9, 1]
     out = generate(server, prompt)
     got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
     assert (got - hf_logprobs(other, prompt, out["output_ids"])).abs().max().item() < 1e-4
     status, out = server.call("/update_weights_from_disk", {"model_path": str(tmp_path / "none")})
     assert status == 400 and "no safetensors" in out["error"]["message"]
+    assert out["success"] is False and "no safetensors" in out["message"]  # SGLang's contract
+    assert server.call("/get_model_info")[1]["model_path"] == other  # unchanged by the failure
     assert (
         server.call(
             "/update_weights_from_disk", {"model_path": model, "weight_version": "default"}
@@ -508,7 +512,9 @@ def test_openai_chat_with_input_ids_returns_the_exact_tokens(server, model):
     assert status == 200, out
     assert out["choices"][0]["prompt_token_ids"] == want
     status, out = server.call("/v1/chat/completions", {**body, "n": 2})
-    assert status == 400 and "n must be 1" in out["error"]["message"]
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1]
+    status, out = server.call("/v1/chat/completions", {**body, "n": 65})
+    assert status == 400 and "n must be in [1, 64]" in out["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,8 @@ class CalculatorAgentConfig:
     answer_key: str = "answer"
     max_calls: int = 3  # model calls per episode
     max_tokens: int = 8  # tokens per model call
+    # Ask for server-sent events, as most agent frameworks' OpenAI clients do.
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if self.max_calls < 1 or self.max_tokens < 1:
@@ -64,7 +66,12 @@ class CalculatorAgent:
         return AgentOutcome(0.0, {"tool_calls": tool_calls})
 
     def _chat(self, session: AgentSession, messages: list[dict[str, Any]]) -> str:
-        body = {"model": session.model, "messages": messages, "max_tokens": self.config.max_tokens}
+        body = {
+            "model": session.model,
+            "messages": messages,
+            "max_tokens": self.config.max_tokens,
+            "stream": self.config.stream,
+        }
         request = urllib.request.Request(
             f"{session.base_url}/chat/completions",
             data=json.dumps(body).encode(),
@@ -74,8 +81,25 @@ class CalculatorAgent:
             },
         )
         with urllib.request.urlopen(request, timeout=300) as response:
-            answer = json.loads(response.read())
-        return str(answer["choices"][0]["message"]["content"] or "")
+            if not self.config.stream:
+                answer = json.loads(response.read())
+                return str(answer["choices"][0]["message"]["content"] or "")
+            return _streamed_content(response)
+
+
+def _streamed_content(response: Any) -> str:
+    """The reply's text from a chat stream: each event's `delta.content`, up to `[DONE]`."""
+    parts = []
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            break
+        for choice in json.loads(data)["choices"]:
+            parts.append(choice.get("delta", {}).get("content") or "")
+    return "".join(parts)
 
 
 # -- the recipe ----------------------------------------------------------------------------------

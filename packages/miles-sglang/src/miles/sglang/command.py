@@ -70,6 +70,13 @@ import click
     "before it answers 504.",
 )
 @click.option(
+    "--context-length",
+    type=int,
+    default=None,
+    help="Prompt plus answer tokens a request may use (default: the model config's "
+    "max_position_embeddings).",
+)
+@click.option(
     "--shutdown-timeout",
     type=float,
     default=30.0,
@@ -93,6 +100,7 @@ def serve(
     max_body_mb: float,
     allow_origin: tuple[str, ...],
     weight_timeout: float,
+    context_length: int | None,
     shutdown_timeout: float,
 ) -> None:
     """Serve TARGET (a Hugging Face checkpoint directory, a recipe or a CONFIG.yaml) with
@@ -100,6 +108,8 @@ def serve(
     health). Binds to 127.0.0.1 unless --host says otherwise."""
     if max_batch_size < 1 or max_queue < 1:
         raise click.BadParameter("--max-batch-size and --max-queue must be at least 1")
+    if context_length is not None and context_length < 2:
+        raise click.BadParameter(f"--context-length must be at least 2, got {context_length}")
     for name, value in (
         ("--max-body-mb", max_body_mb),
         ("--weight-timeout", weight_timeout),
@@ -149,6 +159,7 @@ def serve(
         max_body_mb=max_body_mb,
         record_routing=record_routing,
         weight_timeout_s=weight_timeout,
+        max_context=context_length,
     )
     app = build_app(engine, settings, exit_deadline_s=shutdown_timeout + _EXIT_MARGIN_S)
     uvicorn.run(

@@ -26,12 +26,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles.core.protocols import RolloutContext, Tokenizer
 from miles.core.types import GenerateRequest, GenerateResult
 from miles.sglang import openai
 from miles.sglang import protocol as wire
+from miles.sglang.openai_chunks import finished_stream
 from miles.sglang.protocol import BadRequest
 from miles.sglang.trajectory import Diverged, Trajectory
 
@@ -148,10 +149,8 @@ class AgentGateway:
             session.out_of_budget = True
         return result, max_new
 
-    def answer(
-        self, body: dict[str, Any], result: GenerateResult, max_new: int
-    ) -> tuple[dict[str, Any], list[str]]:
-        """SGLang's /generate answer for a result (what `openai` formats), and token texts."""
+    def answer(self, body: dict[str, Any], result: GenerateResult, max_new: int) -> dict[str, Any]:
+        """SGLang's /generate answer for a result (what `openai` formats)."""
         tok, ids = self.tokenizer, result.response_ids
         text = tok.decode(ids, skip_special_tokens=body.get("skip_special_tokens", True))
         stop = body.get("stop")
@@ -169,8 +168,31 @@ class AgentGateway:
                 [float(lp), int(t), None] for lp, t in zip(result.logprobs, ids, strict=True)
             ],
         }
-        answer = {"text": text, "output_ids": list(ids), "meta_info": meta}
-        return answer, [tok.decode([t]) for t in ids]
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+    def text_of(self, token: int) -> str:
+        return str(self.tokenizer.decode([token]))
+
+
+# Options of miles serve's OpenAI API that an episode's calls cannot have: an episode is one
+# sequence sampled as the run samples (what the trainer's logprobs assume).
+_NOT_IN_EPISODES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
+                    "no_stop_trim", "stop_regex", "regex", "ebnf", "json_schema",
+                    "response_format", "top_logprobs", "echo")  # fmt: skip
+
+
+def _episode_call(parsed: openai.OpenAIRequest, where: str) -> dict[str, Any]:
+    """The body of a call the gateway can serve; a 400 naming what it cannot."""
+    if parsed.n != 1:
+        raise BadRequest(f"{where}: n must be 1 (an episode is one sequence: run more episodes)")
+    body = parsed.body
+    unusable = [k for k in _NOT_IN_EPISODES if body.get(k) not in (None, False, 0)]
+    if unusable:
+        raise BadRequest(
+            f"{where}: {', '.join(unusable)}: not for agent episodes, which sample as the run "
+            "does (rollout.temperature, top_p, top_k, min_p)"
+        )
+    return body
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -213,42 +235,58 @@ def _app(gateway: AgentGateway) -> FastAPI:
             session.busy = False
 
     @app.post("/sessions/{sid}/v1/chat/completions")
-    async def chat(sid: str, request: Request) -> JSONResponse:
+    async def chat(sid: str, request: Request) -> Response:
         session = gateway.session(sid)
-        body, _ = openai.parse_chat(await _body(request))
+        parsed = openai.parse_chat(await _body(request))
+        body = _episode_call(parsed, "/v1/chat/completions")
 
-        async def call() -> dict[str, Any]:
-            t = session.trajectory
+        async def call() -> tuple[list[int], dict[str, Any]]:
+            t, messages, tools = session.trajectory, body["messages"], body.get("tools")
             kwargs = dict(body.get("chat_template_kwargs") or {})
             if body.get("input_ids"):
-                ids = t.completion_prompt(list(body["input_ids"]))
+                ids = t.input_ids_prompt(list(body["input_ids"]), messages, tools, kwargs)
             else:
-                ids = t.chat_prompt(body["messages"], body.get("tools"), kwargs)
+                ids = t.chat_prompt(messages, tools, kwargs)
             result, max_new = await gateway.generate(session, ids, body)
-            answer, tokens = gateway.answer(body, result, max_new)
-            if not body.get("input_ids"):
-                t.remember_chat(body["messages"], answer["text"], body.get("tools"), kwargs)
-            return openai.chat_response(
-                body, body.get("model") or gateway.model, ids, answer, tokens
-            )
+            answer = gateway.answer(body, result, max_new)
+            t.remember_chat(messages, answer["text"], tools, kwargs)
+            return ids, answer
 
-        return JSONResponse(await one_at_a_time(session, call()))
+        ids, answer = await one_at_a_time(session, call())
+        return respond(parsed, "chat.completion", ids, answer)
 
     @app.post("/sessions/{sid}/v1/completions")
-    async def completions(sid: str, request: Request) -> JSONResponse:
+    async def completions(sid: str, request: Request) -> Response:
         session = gateway.session(sid)
-        body, _, prompt = openai.parse_completion(await _body(request))
+        parsed = openai.parse_completion(await _body(request))
+        body = _episode_call(parsed, "/v1/completions")
+        if len(parsed.prompts) != 1:
+            raise BadRequest("/v1/completions: one prompt per call (an episode is one sequence)")
+        prompt = parsed.prompts[0]
 
-        async def call() -> dict[str, Any]:
+        async def call() -> tuple[list[int], dict[str, Any]]:
             ids = session.trajectory.completion_prompt(prompt)
             result, max_new = await gateway.generate(session, ids, body)
-            answer, tokens = gateway.answer(body, result, max_new)
+            answer = gateway.answer(body, result, max_new)
             session.trajectory.remember_completion(prompt, answer["text"])
-            return openai.completion_response(
-                body, body.get("model") or gateway.model, ids, answer, tokens
-            )
+            return ids, answer
 
-        return JSONResponse(await one_at_a_time(session, call()))
+        ids, answer = await one_at_a_time(session, call())
+        return respond(parsed, "text_completion", ids, answer)
+
+    def respond(
+        parsed: openai.OpenAIRequest, kind: str, ids: list[int], answer: dict[str, Any]
+    ) -> Response:
+        """The response object, or with `stream` its server-sent events: an episode's call is
+        generated whole by the run's engines, then sent as OpenAI streams it."""
+        model = parsed.body.get("model") or gateway.model
+        if parsed.stream:
+            chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
+            choice = openai.Choice(0, ids, answer)
+            events = finished_stream(parsed, chunk_kind, model, choice, gateway.text_of)
+            return StreamingResponse(iter(events), media_type="text/event-stream")
+        build = openai.chat_response if kind == "chat.completion" else openai.completion_response
+        return JSONResponse(build(parsed, model, ids, answer, gateway.text_of))
 
     @app.get("/sessions/{sid}/v1/models")
     async def models(sid: str) -> JSONResponse:

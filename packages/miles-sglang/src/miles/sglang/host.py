@@ -56,6 +56,10 @@ class Finished:
     cached_tokens: int = 0
     started: float = 0.0
     error: str | None = None  # the engine failed on this request
+    # With SamplingParams.top_logprobs / prompt_logprobs (GenerateResult's fields).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -70,6 +74,9 @@ class _Job:
     done_ids: list[int] = field(default_factory=list)
     done_logprobs: list[float] = field(default_factory=list)
     routing_so_far: Any = None  # the last part's record: prompt and every token before it
+    done_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    # The first part's prompt logprobs (a resumed part's prompt includes earlier tokens).
+    first_part: GenerateResult | None = None
 
 
 class EngineHost:
@@ -222,6 +229,8 @@ class EngineHost:
             if result.finish_reason == "abort" and job.rid not in self._drop and self._keep_stopped:
                 job.done_ids += result.response_ids
                 job.done_logprobs += result.logprobs
+                job.done_top += result.top_logprobs or []
+                job.first_part = job.first_part or result
                 if result.routing is not None:
                     job.routing_so_far = result.routing
                 self._held.append(job)
@@ -233,6 +242,7 @@ class EngineHost:
         self, job: _Job, result: GenerateResult | None, reason: str, error: str | None = None
     ) -> Finished:
         version = self.engine.weight_version
+        first = job.first_part or result
         if result is not None:
             v = result.weight_version
             version = v if isinstance(v, int) else max(v, default=version)
@@ -248,6 +258,13 @@ class EngineHost:
             cached_tokens=result.cached_tokens if result else 0,
             started=job.started,
             error=error,
+            top_logprobs=(
+                job.done_top + (result.top_logprobs or [] if result else [])
+                if job.sampling.top_logprobs
+                else None
+            ),
+            prompt_logprobs=first.prompt_logprobs if first else None,
+            prompt_top_logprobs=first.prompt_top_logprobs if first else None,
         )
 
     # -- control -------------------------------------------------------------------------------
@@ -331,6 +348,8 @@ class EngineHost:
 
 
 def _with_budget(sampling: SamplingParams, budget: int) -> SamplingParams:
+    """The sampling of a request's next part: the rest of its token budget; a resumed part
+    (whose prompt holds the tokens made so far) asks for no prompt logprobs again."""
     if budget == sampling.max_new_tokens:
         return sampling
-    return dataclasses.replace(sampling, max_new_tokens=max(budget, 0))
+    return dataclasses.replace(sampling, max_new_tokens=max(budget, 0), prompt_logprobs=False)

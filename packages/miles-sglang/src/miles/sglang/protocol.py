@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import base64
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 # -- /generate request -------------------------------------------------------------------------
@@ -61,12 +62,19 @@ SAMPLING_FIELDS: dict[str, tuple[type | None, ...]] = {
     "ignore_eos": (bool,),
     "n": (int,),
     "sampling_seed": (int, None),
+    "frequency_penalty": (float, int),
+    "presence_penalty": (float, int),
+    "repetition_penalty": (float, int),
+    "stop_regex": (str, list, None),
+    "json_schema": (str, None),
+    "regex": (str, None),
+    "ebnf": (str, None),
 }
 SAMPLING_UNSUPPORTED: tuple[str, ...] = (
-    "min_new_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
-    "json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias",
-    "stream_interval", "dtype",
+    "min_new_tokens", "structural_tag", "custom_params", "logit_bias", "stream_interval", "dtype",
 )  # fmt: skip
+MAX_N = 64  # samples of one prompt in one request
+MAX_TOP_LOGPROBS = 20
 SAMPLING_DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 128,
     "temperature": 1.0,
@@ -81,6 +89,13 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "ignore_eos": False,
     "n": 1,
     "sampling_seed": None,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "stop_regex": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
 }
 
 # -- /generate response ------------------------------------------------------------------------
@@ -161,6 +176,10 @@ class BadRequest(ValueError):
     """A request the protocol refuses: the server answers 400 with this message."""
 
 
+class NotFound(BadRequest):
+    """A request for something the server does not have (404)."""
+
+
 def check_fields(
     body: Any,
     fields: dict[str, tuple[type | None, ...]],
@@ -214,7 +233,7 @@ def _is_json_type(value: Any, types: tuple[type | None, ...]) -> bool:
 class Sampling:
     """One request's sampling_params, checked."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128  # None: up to the context length (OpenAI's default)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -225,6 +244,18 @@ class Sampling:
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_regex: tuple[str, ...] = ()
+    # Structured output, at most one (structured.py compiles it): SGLang's names, and OpenAI's
+    # response_format object.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 @dataclass
@@ -238,6 +269,8 @@ class GenerateItem:
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     return_routed_experts: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # >= 0: the prompt's logprobs from this position on
 
 
 @dataclass
@@ -263,10 +296,8 @@ def parse_sampling(params: Any, where: str) -> Sampling:
         raise BadRequest(f"{where}: top_k must be -1 (off) or >= 1, got {p['top_k']}")
     if not 0 <= p["min_p"] <= 1:
         raise BadRequest(f"{where}: min_p must be in [0, 1], got {p['min_p']}")
-    if p["n"] != 1:
-        raise BadRequest(f"{where}: n must be 1 (send one request per sample), got {p['n']}")
-    if p["ignore_eos"]:
-        raise BadRequest(f"{where}: ignore_eos is not supported by miles serve")
+    check_n(p["n"], where)
+    penalties = check_penalties(p, where)
     seed = p["sampling_seed"]
     if seed is not None and not 0 <= seed < 2**63:
         raise BadRequest(f"{where}: sampling_seed must be in [0, 2**63), got {seed}")
@@ -290,7 +321,56 @@ def parse_sampling(params: Any, where: str) -> Sampling:
         spaces_between_special_tokens=p["spaces_between_special_tokens"],
         no_stop_trim=p["no_stop_trim"],
         seed=seed,
+        n=p["n"],
+        ignore_eos=p["ignore_eos"],
+        **penalties,
+        stop_regex=check_stop_regex(p["stop_regex"], where),
+        json_schema=p["json_schema"],
+        regex=p["regex"],
+        ebnf=p["ebnf"],
     )
+
+
+def nth_sample(sampling: Sampling, j: int) -> Sampling:
+    """The j-th of n samples of one prompt: with a seed, seed + j, so the n samples differ but the
+    request stays reproducible."""
+    if sampling.seed is None or j == 0:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + j) % 2**63)
+
+
+def check_n(n: int, where: str) -> None:
+    if not 1 <= n <= MAX_N:
+        raise BadRequest(f"{where}: n must be in [1, {MAX_N}], got {n}")
+
+
+def check_penalties(p: dict[str, Any], where: str) -> dict[str, Any]:
+    """frequency/presence penalties in [-2, 2] (OpenAI's range), repetition_penalty in (0, 2]."""
+    out = {}
+    for name, low, high, default in (
+        ("frequency_penalty", -2.0, 2.0, 0.0),
+        ("presence_penalty", -2.0, 2.0, 0.0),
+        ("repetition_penalty", 0.0, 2.0, 1.0),
+    ):
+        value = float(default if p.get(name) is None else p[name])
+        if not (math.isfinite(value) and low <= value <= high) or (low == 0.0 and value == 0.0):
+            side = "(0" if low == 0.0 else f"[{low:g}"
+            raise BadRequest(f"{where}: {name} must be in {side}, {high:g}], got {value}")
+        out[name] = value
+    return out
+
+
+def check_stop_regex(value: Any, where: str) -> tuple[str, ...]:
+    patterns = (value,) if isinstance(value, str) else tuple(value or ())
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern:
+            raise BadRequest(f"{where}: stop_regex must be a non-empty string or a list of them")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            message = f"{where}: stop_regex {pattern!r} is not a regular expression: {exc}"
+            raise BadRequest(message) from None
+    return patterns
 
 
 def parse_generate(body: Any, new_rid: Any) -> GenerateCall:
@@ -327,13 +407,15 @@ def parse_generate(body: Any, new_rid: Any) -> GenerateCall:
     params = per_item("sampling_params", {})
     logprob = per_item("return_logprob", False)
     rids = per_item("rid", None)
-    for key, default in (("logprob_start_len", -1), ("top_logprobs_num", 0)):
-        for value in per_item(key, default):
-            if value != default:
-                raise BadRequest(
-                    f"/generate: {key}={value} is not supported by miles serve (only "
-                    f"{default}: the output tokens' own logprobs)"
-                )
+    starts = per_item("logprob_start_len", -1)
+    tops = per_item("top_logprobs_num", 0)
+    for i in range(n):
+        if starts[i] < -1:
+            raise BadRequest(f"/generate: logprob_start_len must be >= -1, got {starts[i]}")
+        if not 0 <= tops[i] <= MAX_TOP_LOGPROBS:
+            raise BadRequest(
+                f"/generate: top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {tops[i]}"
+            )
     if batch and isinstance(b.get("rid"), str):  # SGLang: a prefix for the batch's ids
         rids = [f"{b['rid']}_{i}" for i in range(n)]
     items = [
@@ -345,12 +427,24 @@ def parse_generate(body: Any, new_rid: Any) -> GenerateCall:
             return_logprob=bool(logprob[i]),
             return_text_in_logprobs=bool(b.get("return_text_in_logprobs", False)),
             return_routed_experts=bool(b.get("return_routed_experts", False)),
+            top_logprobs_num=tops[i],
+            logprob_start_len=starts[i],
         )
         for i in range(n)
     ]
+    # SGLang's parallel sampling: n answers of each prompt, prompt by prompt, in a JSON array.
+    if any(item.sampling.n > 1 for item in items):
+        items = [
+            replace(item, rid=f"{item.rid}_{j}", sampling=nth_sample(item.sampling, j))
+            if item.sampling.n > 1
+            else item
+            for item in items
+            for j in range(item.sampling.n)
+        ]
+        batch = True
     stream = bool(b.get("stream", False))
-    if stream and batch:
-        raise BadRequest("/generate: stream takes one prompt, not a batch")
+    if stream and len(items) > 1:
+        raise BadRequest("/generate: stream takes one prompt and n = 1, not a batch")
     return GenerateCall(items=items, batch=batch, stream=stream)
 
 

@@ -36,7 +36,7 @@ def add_admin_routes(app: FastAPI, state: ServeState) -> None:
     async def model_info() -> JSONResponse:
         return JSONResponse(
             {
-                "model_path": settings.model_path,
+                "model_path": state.model_path,
                 "tokenizer_path": settings.model_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
@@ -72,6 +72,17 @@ def add_admin_routes(app: FastAPI, state: ServeState) -> None:
                 "uptime_s": time.time() - state.started,
             }
         )
+
+    @app.get("/get_memory_pool_size")
+    async def memory_pool_size() -> JSONResponse:
+        """SGLang's answer: the KV cache's capacity in tokens (a bare number)."""
+        tokens = state.engine.health().get("kv_cache_tokens")
+        if tokens is None:
+            raise BadRequest(
+                "this engine has no KV memory pool: the hf path allocates per batch (start "
+                "miles serve on the paged path for a pool)"
+            )
+        return JSONResponse(int(tokens))
 
     @app.get("/get_weight_version")
     @app.get("/weight_version")
@@ -254,6 +265,7 @@ def add_admin_routes(app: FastAPI, state: ServeState) -> None:
         except Exception as exc:
             return fail(f"update_weights_from_disk failed: {exc}")
         _new_label(state, body.get("weight_version"))
+        state.model_path = body["model_path"]  # SGLang: the model now served
         return ok(f"loaded weights from {body['model_path']}")
 
     @app.get("/weights_checksum")

@@ -7,7 +7,6 @@ import asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from miles.sglang import openai
 from miles.sglang import protocol as wire
 from miles.sglang.host import NotServing, QueueFull
 from miles.sglang.protocol import BadRequest, GenerateItem
@@ -15,17 +14,13 @@ from miles.sglang.serving import (
     Progress,
     ServeState,
     answer,
-    chat_prompt,
     check_serving,
     error,
-    generate_one,
-    model_name,
     new_rid,
     prompt_ids,
     read_body,
     stream_answer,
     submit,
-    token_texts,
 )
 
 
@@ -54,40 +49,6 @@ def add_generation_routes(app: FastAPI, state: ServeState) -> None:
         done = await asyncio.gather(*waits)
         answers = [answer(state, item, f) for item, f in zip(call.items, done, strict=True)]
         return JSONResponse(answers if call.batch else answers[0])
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
-        body, sampling, prompt = openai.parse_completion(await read_body(request))
-        item = GenerateItem(
-            rid=body.get("rid") or new_rid(),
-            sampling=sampling,
-            input_ids=prompt if isinstance(prompt, list) else None,
-            text=prompt if isinstance(prompt, str) else None,
-            return_logprob=True,
-        )
-        ids, answer = await generate_one(state, item)
-        response = openai.completion_response(
-            body, model_name(body, settings), ids, answer, token_texts(state, answer)
-        )
-        return JSONResponse(response)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
-        body, sampling = openai.parse_chat(await read_body(request))
-        ids = body.get("input_ids") or chat_prompt(state, body)
-        item = GenerateItem(
-            rid=body.get("rid") or new_rid(), sampling=sampling, input_ids=ids, return_logprob=True
-        )
-        ids, answer = await generate_one(state, item)
-        response = openai.chat_response(
-            body, model_name(body, settings), ids, answer, token_texts(state, answer)
-        )
-        return JSONResponse(response)
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        card = {"id": settings.model_path, "object": "model", "owned_by": "miles"}
-        return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health")
     async def health() -> Response:

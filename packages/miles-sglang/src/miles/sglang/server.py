@@ -20,11 +20,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from miles.sglang.host import EngineHost, NotServing, QueueFull
-from miles.sglang.protocol import BadRequest
+from miles.sglang.protocol import BadRequest, NotFound
+from miles.sglang.responses_api import add_responses_route
 from miles.sglang.routes_admin import add_admin_routes
 from miles.sglang.routes_generate import add_generation_routes
+from miles.sglang.routes_openai import add_openai_routes
 from miles.sglang.serve_keys import LOOPBACK
 from miles.sglang.serving import (
     BodyTooLarge,
@@ -34,6 +37,7 @@ from miles.sglang.serving import (
     fail,
 )
 from miles.sglang.weight_lane import DeadlineExceeded, LaneBusy, WeightLane
+from miles.torch.engine.loader import eos_token_ids
 
 __all__ = ["ServeSettings", "build_app"]
 
@@ -55,6 +59,8 @@ def build_app(
         tokenizer=engine.tokenizer,
         max_context=max_context,
         lane=WeightLane(settings.weight_timeout_s),
+        eos_ids=tuple(eos_token_ids(engine.model, engine.tokenizer)),
+        model_path=settings.model_path,
     )
 
     @contextlib.asynccontextmanager
@@ -80,8 +86,18 @@ def build_app(
         return await call_next(request)
 
     @app.exception_handler(BadRequest)
-    async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        return error(413 if isinstance(exc, BodyTooLarge) else 400, str(exc))
+    async def bad_request(request: Request, exc: BadRequest) -> JSONResponse:
+        status = 413 if isinstance(exc, BodyTooLarge) else 404 if isinstance(exc, NotFound) else 400
+        if request.url.path in _RESULT_PATHS:  # SGLang's {"success": false, "message"} contract
+            return fail(str(exc), status)
+        return error(status, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes and methods: SGLang's error object, not the framework's {"detail"}.
+        what = f"{request.method} {request.url.path}"
+        reason = "no such endpoint" if exc.status_code == 404 else str(exc.detail)
+        return error(exc.status_code, f"{what}: {reason}")
 
     @app.exception_handler(Exception)
     async def internal(_: Request, exc: Exception) -> JSONResponse:
@@ -105,6 +121,8 @@ def build_app(
         return error(503, str(exc))
 
     add_generation_routes(app, state)
+    add_openai_routes(app, state)
+    add_responses_route(app, state)
     add_admin_routes(app, state)
     return app
 
@@ -126,6 +144,17 @@ def _exit_after(seconds: float) -> None:
     threading.Thread(target=stop, name="miles-serve-exit", daemon=True).start()
 
 
+# Endpoints that answer SGLang's {"success", "message"} object, failures included.
+_RESULT_PATHS = frozenset(
+    {
+        "/update_weights_from_disk", "/update_weights_from_distributed",
+        "/update_weights_from_tensor", "/init_weights_update_group",
+        "/destroy_weights_update_group", "/update_weight_version", "/pause_generation",
+        "/continue_generation", "/abort_request", "/release_memory_occupation",
+        "/resume_memory_occupation",
+    }
+)  # fmt: skip
+
 # What a client may call without the key on a server whose `open_generation` is set: generating
 # and reading what the server is. Everything else (pause, abort, memory, weights, versions)
 # controls the server.
@@ -133,7 +162,8 @@ _GENERATION_PATHS = frozenset(
     {
         "/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
         "/health_generate", "/get_model_info", "/model_info", "/get_server_info",
-        "/server_info", "/get_weight_version", "/weight_version",
+        "/server_info", "/get_weight_version", "/weight_version", "/v1/responses", "/v1/score",
+        "/get_memory_pool_size",
     }
 )  # fmt: skip
 # Bodies that are not JSON: tensors for /update_weights_from_tensor.
@@ -154,7 +184,8 @@ def _refusal(request: Request, settings: ServeSettings) -> JSONResponse | None:
         if name not in allowed:
             return error(403, f"Host {name[:100]!r} is not this server's address")
     key = settings.api_key
-    open_path = path == "/health" or (settings.open_generation and path in _GENERATION_PATHS)
+    generation = path in _GENERATION_PATHS or path.startswith("/v1/models/")
+    open_path = path == "/health" or (settings.open_generation and generation)
     if key and not open_path:
         given = headers.get("authorization", "").removeprefix("Bearer ").strip()
         if not secrets.compare_digest(given.encode(), key.encode()):

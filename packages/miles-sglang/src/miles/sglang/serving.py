@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from miles.core.types import SamplingParams
 from miles.sglang import protocol as wire
 from miles.sglang.host import EngineHost, Finished, NotServing, OnTokens
 from miles.sglang.protocol import BadRequest, GenerateItem
+from miles.sglang.structured import compile_constraint
 from miles.sglang.weight_lane import WeightLane
 from miles.sglang.weights import UpdateGroup
 
@@ -59,6 +61,8 @@ class ServeState:
     tokenizer: Any
     max_context: int
     lane: WeightLane
+    eos_ids: tuple[int, ...] = ()  # what ends a response (structured output allows it at the end)
+    model_path: str = ""  # what /get_model_info reports: the last weights loaded from disk
     version_label: str = "default"
     groups: dict[str, UpdateGroup] = field(default_factory=dict)
     released: bool = False
@@ -123,14 +127,32 @@ def prompt_ids(state: ServeState, item: GenerateItem) -> list[int]:
     vocab = int(getattr(state.engine.model.config, "vocab_size", 0) or 0)
     if vocab and any(not 0 <= t < vocab for t in ids):
         raise BadRequest(f"request {item.rid}: input_ids must be in [0, {vocab})")
-    total = len(ids) + item.sampling.max_new_tokens
-    if total > state.max_context:
-        raise BadRequest(
-            f"request {item.rid}: {len(ids)} prompt tokens + max_new_tokens "
-            f"{item.sampling.max_new_tokens} = {total} exceeds the context length "
-            f"{state.max_context}"
-        )
+    check_context(state, len(ids), item.sampling.max_new_tokens)
     return ids
+
+
+def check_context(state: ServeState, prompt_tokens: int, max_new_tokens: int | None) -> None:
+    """SGLang's two refusals, in its words (clients match on them)."""
+    context = state.max_context
+    if prompt_tokens >= context:
+        raise BadRequest(
+            f"The input ({prompt_tokens} tokens) is longer than the model's context length "
+            f"({context} tokens)."
+        )
+    if max_new_tokens is not None and prompt_tokens + max_new_tokens > context:
+        raise BadRequest(
+            f"Requested token count exceeds the model's maximum context length of {context} "
+            f"tokens. You requested a total of {prompt_tokens + max_new_tokens} tokens: "
+            f"{prompt_tokens} tokens from the input messages and {max_new_tokens} tokens for "
+            "the completion. Please reduce the number of tokens in the input messages or the "
+            "completion to fit within the limit."
+        )
+
+
+def token_budget(state: ServeState, item: GenerateItem, prompt_tokens: int) -> int:
+    """max_new_tokens, or what the context leaves after the prompt when it is not given."""
+    given = item.sampling.max_new_tokens
+    return state.max_context - prompt_tokens if given is None else given
 
 
 def submit(
@@ -146,20 +168,44 @@ def submit(
     def deliver(finished: Finished) -> None:
         loop.call_soon_threadsafe(settle, finished)
 
+    state.host.submit(
+        item.rid, prompt_ids, engine_sampling(state, item, len(prompt_ids)), deliver, on_tokens
+    )
+    return future
+
+
+def engine_sampling(state: ServeState, item: GenerateItem, prompt_tokens: int) -> SamplingParams:
+    """The engine's SamplingParams for one prompt: a fresh grammar state of its own."""
     s = item.sampling
-    stop_ids = s.stop_token_ids
-    sampling = SamplingParams(
+    try:
+        grammar = compile_constraint(
+            state.tokenizer,
+            response_format=s.response_format,
+            json_schema=s.json_schema,
+            regex=s.regex,
+            ebnf=s.ebnf,
+            eos_token_ids=state.eos_ids or None,
+        )
+    except ValueError as exc:
+        raise BadRequest(f"request {item.rid}: {exc}") from None
+    return SamplingParams(
         temperature=0.0 if s.temperature < GREEDY_BELOW else s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
         min_p=s.min_p,
-        max_new_tokens=s.max_new_tokens,
-        stop_token_ids=stop_ids,
+        max_new_tokens=token_budget(state, item, prompt_tokens),
+        stop_token_ids=s.stop_token_ids,
         stop_strings=s.stop,
         seed=s.seed,
+        ignore_eos=s.ignore_eos,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        repetition_penalty=s.repetition_penalty,
+        stop_regex=s.stop_regex,
+        top_logprobs=item.top_logprobs_num,
+        prompt_logprobs=item.logprob_start_len >= 0,
+        constraint=grammar() if grammar is not None else None,
     )
-    state.host.submit(item.rid, prompt_ids, sampling, deliver, on_tokens)
-    return future
 
 
 async def generate_one(state: ServeState, item: GenerateItem) -> tuple[list[int], dict[str, Any]]:
@@ -207,17 +253,13 @@ def answer(state: ServeState, item: GenerateItem, done: Finished) -> dict[str, A
     )
     matched: int | str | None = None
     if done.finish_reason == "stop":
-        last = done.response_ids[-1] if done.response_ids else None
-        hit = next((x for x in s.stop if x in text), None)
-        if hit is not None and last not in s.stop_token_ids:
-            matched = hit
-            if not s.no_stop_trim:  # SGLang cuts a matched stop string from the text
-                text = text[: text.find(hit)]
-        else:
-            matched = last
+        matched, cut = matched_stop(s, text, done.response_ids)
+        if cut is not None and not s.no_stop_trim:  # SGLang cuts a matched stop from the text
+            text = text[:cut]
+    budget = len(done.response_ids) if s.max_new_tokens is None else s.max_new_tokens
     meta: dict[str, Any] = {
         "id": done.rid,
-        "finish_reason": wire.finish_reason(done.finish_reason, matched, s.max_new_tokens),
+        "finish_reason": wire.finish_reason(done.finish_reason, matched, budget),
         "prompt_tokens": len(done.prompt_ids),
         "completion_tokens": len(done.response_ids),
         "cached_tokens": done.cached_tokens,
@@ -226,16 +268,63 @@ def answer(state: ServeState, item: GenerateItem, done: Finished) -> dict[str, A
     }
     if done.error is not None:
         meta["finish_reason"]["message"] = f"the engine failed: {done.error}"
+
+    def decode(token: int) -> str | None:
+        return tok.decode([token]) if item.return_text_in_logprobs else None
+
     if item.return_logprob:
         meta["output_token_logprobs"] = [
-            [float(lp), int(t), tok.decode([t]) if item.return_text_in_logprobs else None]
+            [float(lp), int(t), decode(t)]
             for lp, t in zip(done.logprobs, done.response_ids, strict=True)
         ]
+    if item.return_logprob and item.top_logprobs_num:
+        meta["output_top_logprobs"] = [
+            [[float(lp), int(t), decode(t)] for t, lp in row] for row in done.top_logprobs or []
+        ]
+    if item.return_logprob and item.logprob_start_len >= 0:
+        add_prompt_logprobs(meta, item, done, decode)
     if item.return_routed_experts and done.routing is not None:
         rows = len(done.prompt_ids) + len(done.response_ids) - 1
         routes = np.ascontiguousarray(np.asarray(done.routing)[:rows], dtype=np.int32)
         meta["routed_experts"] = wire.encode_routed_experts(routes.tobytes())
     return {"text": text, "output_ids": list(done.response_ids), "meta_info": meta}
+
+
+def matched_stop(
+    s: wire.Sampling, text: str, response_ids: list[int]
+) -> tuple[int | str | None, int | None]:
+    """What ended a stopped response (a stop token id, a stop string, the text a stop_regex
+    matched, or the EOS id) and where the text is cut (None: not cut)."""
+    last = response_ids[-1] if response_ids else None
+    if last is not None and last in s.stop_token_ids:
+        return last, None
+    found = [(text.find(x), x) for x in s.stop if x in text]
+    for pattern in s.stop_regex:
+        if (m := re.search(pattern, text)) is not None:
+            found.append((m.start(), m.group(0)))
+    if found:
+        start, hit = min(found)
+        return hit, start
+    return last, None
+
+
+def add_prompt_logprobs(
+    meta: dict[str, Any], item: GenerateItem, done: Finished, decode: Callable[[int], str | None]
+) -> None:
+    """SGLang's input_token_logprobs (and input_top_logprobs) from logprob_start_len: the first
+    prompt token has no logprob (null)."""
+    lps: list[float | None] = [None, *(done.prompt_logprobs or [])]
+    tops: list[list[tuple[int, float]]] = [[], *(done.prompt_top_logprobs or [])]
+    start = min(item.logprob_start_len, len(done.prompt_ids))
+    meta["input_token_logprobs"] = [
+        [lps[i] if i < len(lps) else None, int(done.prompt_ids[i]), decode(done.prompt_ids[i])]
+        for i in range(start, len(done.prompt_ids))
+    ]
+    if item.top_logprobs_num:
+        meta["input_top_logprobs"] = [
+            [[float(lp), int(t), decode(t)] for t, lp in tops[i]] if i < len(tops) else []
+            for i in range(start, len(done.prompt_ids))
+        ]
 
 
 class Progress:

@@ -1,0 +1,172 @@
+"""OpenAI's Responses API (`POST /v1/responses`), the call agent SDKs now make, over the same
+engine: `input` (a string, or messages whose content is a string or input_text parts) and
+`instructions` rendered with the chat template; one `message` output item with `output_text`.
+
+Stateless: nothing is stored, so `previous_response_id` and `store: true` are refused, as are
+built-in tools and streaming (`docs/serve.md` lists them). Function tools go to the chat template
+like chat's `tools`; their calls come back as the model's text.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from miles.sglang import protocol as wire
+from miles.sglang.protocol import BadRequest, GenerateItem, check_fields
+from miles.sglang.serving import (
+    ServeState,
+    answer,
+    chat_prompt,
+    check_serving,
+    model_name,
+    new_rid,
+    prompt_ids,
+    read_body,
+    submit,
+)
+
+RESPONSES_FIELDS: dict[str, tuple[type | None, ...]] = {
+    "model": (str, None),
+    "input": (str, list),
+    "instructions": (str, None),
+    "max_output_tokens": (int, None),
+    "temperature": (float, int, None),
+    "top_p": (float, int, None),
+    "tools": (list, None),
+    "tool_choice": (str, dict, None),
+    "text": (dict, None),
+    "metadata": (dict, None),
+    "user": (str, None),
+    "store": (bool, None),
+    "stream": (bool, None),
+    "previous_response_id": (str, None),
+    "parallel_tool_calls": (bool, None),
+    "truncation": (str, None),
+}
+_WHERE = "/v1/responses"
+
+
+def add_responses_route(app: FastAPI, state: ServeState) -> None:
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> JSONResponse:
+        body = check_fields(await read_body(request), RESPONSES_FIELDS, _WHERE, required=("input",))
+        _refuse_unsupported(body)
+        check_serving(state)
+        messages = _messages(body)
+        ids = chat_prompt(state, {"messages": messages, "tools": _function_tools(body)})
+        sampling = wire.parse_sampling(
+            {k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None}, _WHERE
+        )
+        sampling.max_new_tokens = body.get("max_output_tokens")
+        fmt = (body.get("text") or {}).get("format")
+        if fmt and fmt.get("type") == "json_schema":  # the Responses API flattens the schema
+            sampling.response_format = {"type": "json_schema", "json_schema": fmt}
+        elif fmt:
+            sampling.response_format = fmt
+        item = GenerateItem(rid=new_rid(), sampling=sampling, input_ids=ids)
+        done = await submit(state, item, prompt_ids(state, item))
+        return JSONResponse(_response(state, body, item, answer(state, item, done), done))
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    if body.get("stream"):
+        raise BadRequest(f"{_WHERE}: stream is not supported by miles serve (use stream: false, "
+                         "or /v1/chat/completions, which streams)")  # fmt: skip
+    if body.get("previous_response_id") or body.get("store"):
+        raise BadRequest(f"{_WHERE}: miles serve stores no responses: send the whole "
+                         "conversation as input, with store: false")  # fmt: skip
+    for tool in body.get("tools") or []:
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else tool
+            raise BadRequest(f"{_WHERE}: built-in tool {kind!r} is not supported (function "
+                             "tools only)")  # fmt: skip
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(f"{where}: content part {kind!r} is not supported (text only)")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise BadRequest(f"{where}: content must be a string or a list of input_text parts")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = []
+    if body.get("instructions"):
+        messages.append({"role": "system", "content": body["instructions"]})
+    given = body["input"]
+    if isinstance(given, str):
+        return [*messages, {"role": "user", "content": given}]
+    for i, entry in enumerate(given):
+        where = f"{_WHERE} input[{i}]"
+        if not isinstance(entry, dict) or entry.get("type", "message") != "message":
+            kind = entry.get("type") if isinstance(entry, dict) else type(entry).__name__
+            raise BadRequest(f"{where}: item type {kind!r} is not supported (messages only)")
+        role = entry.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise BadRequest(f"{where}: role must be user, assistant, system or developer")
+        role = "system" if role == "developer" else role
+        messages.append({"role": role, "content": _text_of(entry.get("content"), where)})
+    return messages
+
+
+def _function_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = body.get("tools")
+    if not tools:
+        return None
+    return [
+        {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools
+    ]
+
+
+def _response(
+    state: ServeState, body: dict[str, Any], item: GenerateItem, result: dict[str, Any], done: Any
+) -> dict[str, Any]:
+    kind = result["meta_info"]["finish_reason"]["type"]
+    incomplete = kind == "length"
+    output_tokens = len(result["output_ids"])
+    return {
+        "id": f"resp_{item.rid}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "incomplete" if incomplete else "completed" if kind == "stop" else "failed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "error": None if kind != "abort" else {"code": "server_error", "message": "aborted"},
+        "model": model_name(body, state.settings),
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "temperature": body.get("temperature", 1.0),
+        "top_p": body.get("top_p", 1.0),
+        "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice") or "auto",
+        "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "metadata": body.get("metadata") or {},
+        "store": False,
+        "output": [
+            {
+                "type": "message",
+                "id": f"msg_{item.rid}",
+                "status": "incomplete" if incomplete else "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": result["text"], "annotations": []}],
+            }
+        ],
+        "usage": {
+            "input_tokens": len(done.prompt_ids),
+            "input_tokens_details": {"cached_tokens": done.cached_tokens},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": len(done.prompt_ids) + output_tokens,
+        },
+    }

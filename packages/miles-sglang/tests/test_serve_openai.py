@@ -1,0 +1,303 @@
+"""`miles serve` as SGLang's server to OpenAI clients: the official `openai` client over HTTP
+against a real `miles serve` process (a tiny random model, the engine's paged path on the CPU,
+a 160-token context), each answer checked against transformers' own forward where it has numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+CONTEXT = 160
+PROMPT = [11, 12, 13, 14]
+
+
+@pytest.fixture(scope="module")
+def paged(
+    model: str, tmp_path_factory: pytest.TempPathFactory, serve_process_for_module: Any
+) -> Iterator[Any]:
+    start_server, stop_server = serve_process_for_module
+    server = start_server(
+        model, tmp_path_factory.mktemp("serve-openai"), "--engine-path", "paged",
+        "--context-length", str(CONTEXT),
+    )  # fmt: skip
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def client(paged: Any) -> openai.OpenAI:
+    # Generation is open on loopback (the server made its own key for control calls).
+    return openai.OpenAI(base_url=paged.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(model: str) -> Any:
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+def log_softmax_at(reference: Any, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: transformers' next-token log_softmax after each prefix of `ids`."""
+    with torch.no_grad():
+        return torch.log_softmax(reference(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_chat_n_samples_with_top_logprobs_equal_transformers(client, paged, model, reference):
+    tok = AutoTokenizer.from_pretrained(model)
+    out = client.chat.completions.create(
+        model=paged.model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, n=3,
+        logprobs=True, top_logprobs=4, seed=3,
+        extra_body={"return_token_ids": True, "return_prompt_token_ids": True},
+    )  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    total = 0
+    for choice in out.choices:
+        extra = choice.model_extra or {}
+        prompt, ids = extra["prompt_token_ids"], extra["token_ids"]
+        total += len(ids)
+        content = choice.logprobs.content
+        assert len(content) == len(ids) and choice.finish_reason in ("stop", "length")
+        logp = log_softmax_at(reference, prompt + ids)
+        for i, (entry, token) in enumerate(zip(content, ids, strict=True)):
+            row = logp[len(prompt) - 1 + i]
+            assert entry.logprob == pytest.approx(row[token].item(), abs=1e-4)
+            assert entry.token == tok.decode([token])
+            want = torch.topk(row, 4)
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+                want.values.tolist(), abs=1e-4
+            )
+            assert [t.token for t in entry.top_logprobs] == [
+                tok.decode([t]) for t in want.indices.tolist()
+            ]
+    assert out.usage.completion_tokens == total
+    assert out.usage.prompt_tokens == len(prompt)  # the prompt once, not once per sample
+    # Three samples of one prompt with a seed: not all the same (n is really n samples).
+    assert len({tuple((c.model_extra or {})["token_ids"]) for c in out.choices}) > 1
+
+
+def test_chat_streams_what_it_answers_whole(client, paged):
+    kwargs: dict[str, Any] = {
+        "model": paged.model, "messages": [{"role": "user", "content": "ab"}], "max_tokens": 10,
+        "temperature": 0, "n": 2,
+    }  # fmt: skip
+    whole = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )
+    texts, finish, usage, chunks = {0: "", 1: ""}, {}, None, 0
+    for chunk in stream:
+        chunks += 1
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    assert chunks > 3  # the answer came in pieces, not as one object
+    for c in whole.choices:  # greedy: the streamed text is the whole answer's
+        assert texts[c.index] == c.message.content
+        assert finish[c.index] == c.finish_reason
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_continuous_usage_and_completions_stream(client, paged):
+    stream = client.completions.create(
+        model=paged.model, prompt="abc", max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, logprobs=2,
+    )  # fmt: skip
+    seen = [c for c in stream]
+    assert all(c.usage is not None for c in seen)
+    assert seen[-1].choices[0].finish_reason in ("stop", "length")
+    assert seen[-1].usage.completion_tokens == len(seen[-1].choices[0].logprobs.tokens)
+
+
+def test_completions_take_a_list_of_prompts_n_and_echo(client, paged, model, reference):
+    tok = AutoTokenizer.from_pretrained(model)
+    out = client.completions.create(
+        model=paged.model, prompt=["ab", "cd"], n=2, max_tokens=4, temperature=0,
+        echo=True, logprobs=2,
+    )  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for c in out.choices:
+        prompt = "ab" if c.index < 2 else "cd"
+        assert c.text.startswith(prompt)
+        prompt_ids = tok(prompt)["input_ids"]
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None  # the first prompt token has no logprob
+        n = len(prompt_ids)
+        logp = log_softmax_at(reference, prompt_ids)
+        for i in range(1, n):
+            assert lp.token_logprobs[i] == pytest.approx(
+                logp[i - 1, prompt_ids[i]].item(), abs=1e-4
+            )
+        assert len(lp.top_logprobs[-1]) == 2 and lp.text_offset[0] == 0
+    assert out.choices[0].text == out.choices[1].text  # greedy: both samples the same
+
+
+def test_no_max_tokens_runs_to_the_context_and_ignore_eos(client, paged):
+    out = client.chat.completions.create(
+        model=paged.model, messages=[{"role": "user", "content": "hi"}], temperature=0,
+        extra_body={"ignore_eos": True, "return_prompt_token_ids": True},
+    )  # fmt: skip
+    (choice,) = out.choices
+    prompt = len((choice.model_extra or {})["prompt_token_ids"])
+    assert choice.finish_reason == "length"
+    assert out.usage.completion_tokens == CONTEXT - prompt  # not 16
+
+
+def test_matched_stop_for_strings_regexes_and_token_ids(paged):
+    def chat(**extra: Any) -> dict[str, Any]:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 12,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True, **extra}  # fmt: skip
+        status, out = paged.call("/v1/chat/completions", body)
+        assert status == 200, out
+        return out["choices"][0]
+
+    free = chat()
+    assert free["finish_reason"] == "length" and free["matched_stop"] is None
+    text, ids = free["message"]["content"], free["token_ids"]
+    stop = text[3:5]
+    hit = chat(stop=[stop])
+    assert hit["finish_reason"] == "stop" and hit["matched_stop"] == stop
+    assert hit["message"]["content"] == text[: text.find(stop)]
+    pattern = re.escape(text[4]) + "."
+    regex = chat(stop_regex=pattern)
+    assert regex["finish_reason"] == "stop"
+    assert re.fullmatch(pattern, regex["matched_stop"]) is not None
+    at = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # its first occurrence
+    token = chat(stop_token_ids=[ids[at]])
+    assert token["matched_stop"] == ids[at] and token["token_ids"] == ids[: at + 1]
+
+
+def test_json_schema_output_parses_and_validates(client, paged):
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
+        "required": ["colour", "ok"],
+        "additionalProperties": False,
+    }
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model=paged.model, messages=[{"role": "user", "content": "json"}], max_tokens=60,
+            seed=seed, response_format={"type": "json_schema",
+                                        "json_schema": {"name": "c", "schema": schema}},
+        )  # fmt: skip
+        value = json.loads(out.choices[0].message.content)
+        jsonschema.validate(value, schema)
+    out = client.completions.create(
+        model=paged.model, prompt="n=", max_tokens=8, extra_body={"regex": "[0-9]{3}"}
+    )
+    assert re.fullmatch("[0-9]{3}", out.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="regex"):
+        client.completions.create(model=paged.model, prompt="n=", extra_body={"regex": "(["})
+
+
+def test_penalties_change_the_distribution(paged):
+    base = {"input_ids": PROMPT, "return_logprob": True}
+    params = {"max_new_tokens": 8, "temperature": 0}
+    _, plain = paged.call("/generate", {**base, "sampling_params": params})
+    ids = plain["output_ids"]
+    # Forcing the same tokens through a penalty: the logprobs of repeated tokens must change.
+    for name, value in (("repetition_penalty", 1.8), ("frequency_penalty", 1.5)):
+        _, out = paged.call("/generate", {**base, "sampling_params": {**params, name: value}})
+        assert (
+            out["output_ids"] != ids
+            or out["meta_info"]["output_token_logprobs"]
+            != plain["meta_info"]["output_token_logprobs"]
+        ), name
+
+
+def test_generate_n_top_logprobs_and_prompt_logprobs(paged, reference):
+    body = {
+        "input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 3,
+        "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 4, "n": 2},
+    }  # fmt: skip
+    status, out = paged.call("/generate", body)
+    assert status == 200, out
+    assert isinstance(out, list) and len(out) == 2
+    logp = log_softmax_at(reference, PROMPT)
+    for answer in out:
+        meta = answer["meta_info"]
+        inputs = meta["input_token_logprobs"]
+        assert [e[1] for e in inputs] == PROMPT and inputs[0][0] is None
+        for i in range(1, len(PROMPT)):
+            assert inputs[i][0] == pytest.approx(logp[i - 1, PROMPT[i]].item(), abs=1e-4)
+        tops = meta["output_top_logprobs"]
+        assert len(tops) == len(answer["output_ids"]) and all(len(row) == 3 for row in tops)
+        assert all(row[0][0] >= row[1][0] >= row[2][0] for row in tops)
+
+
+def test_prefix_cache_shows_in_cached_tokens(client, paged):
+    prompt = list(range(20, 84))  # 64 tokens: whole pages to reuse
+    first = client.completions.create(model=paged.model, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=paged.model, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_responses_api(client, paged):
+    out = client.responses.create(
+        model=paged.model, input="hello", instructions="be brief", max_output_tokens=5,
+        store=False,
+    )  # fmt: skip
+    assert out.status in ("completed", "incomplete") and isinstance(out.output_text, str)
+    assert out.usage.output_tokens <= 5 and out.usage.input_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="stores no responses"):
+        client.responses.create(model=paged.model, input="x", previous_response_id="resp_1")
+
+
+def test_score_equals_transformers(paged, reference):
+    query, items, labels = [11, 12], [[13], [14, 15]], [5, 6, 7]
+    status, out = paged.call(
+        "/v1/score",
+        {"query": query, "items": items, "label_token_ids": labels, "apply_softmax": True},
+    )
+    assert status == 200, out
+    for item, row in zip(items, out["scores"], strict=True):
+        logits = log_softmax_at(reference, query + item)[-1][labels]
+        want = torch.softmax(logits, -1).tolist()
+        assert row == pytest.approx(want, abs=1e-4) and math.isclose(sum(row), 1, abs_tol=1e-6)
+
+
+def test_models_errors_and_context_wording(client, paged):
+    models = client.models.list().data
+    assert models[0].id == paged.model
+    card = models[0].model_extra or {}
+    assert card["max_model_len"] == CONTEXT and card["root"] == paged.model
+    assert client.models.retrieve(paged.model).id == paged.model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    status, out = paged.call("/no/such/route")
+    assert status == 404 and "error" in out and "detail" not in out
+    long = "ab" * CONTEXT
+    with pytest.raises(openai.BadRequestError, match="is longer than the model's context length"):
+        client.chat.completions.create(
+            model=paged.model, messages=[{"role": "user", "content": long}]
+        )
+    with pytest.raises(openai.BadRequestError, match="exceeds the model's maximum context"):
+        client.chat.completions.create(
+            model=paged.model, messages=[{"role": "user", "content": "a"}], max_tokens=CONTEXT
+        )
+    status, out = paged.call("/get_memory_pool_size")
+    assert status == 200 and isinstance(out, int) and out > CONTEXT
+
+
+def test_unknown_fields_are_still_400_by_name(paged):
+    status, out = paged.call(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "bogus": 1}
+    )
+    assert status == 400 and "'bogus'" in out["error"]["message"]
+    status, out = paged.call(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1}},
+    )
+    assert status == 400 and "logit_bias" in out["error"]["message"]
