@@ -301,3 +301,38 @@ def test_unknown_fields_are_still_400_by_name(paged):
         {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1}},
     )
     assert status == 400 and "logit_bias" in out["error"]["message"]
+
+
+def test_the_hf_path_serves_the_same_features(server, model, reference):
+    """The engine's other path (`miles serve`'s default on the CPU): n samples with top
+    logprobs, a stream, and structured output, through the official client."""
+    hf = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    status, info = server.call("/get_server_info")
+    assert status == 200 and info["engine_path"] == "hf"
+    out = hf.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=4, n=2, logprobs=3, temperature=0,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1]
+    ids = (out.choices[0].model_extra or {})["token_ids"]
+    logp = log_softmax_at(reference, PROMPT + ids)
+    for i, top in enumerate(out.choices[0].logprobs.top_logprobs):
+        want = torch.topk(logp[len(PROMPT) - 1 + i], 3).values.tolist()
+        assert sorted(top.values(), reverse=True) == pytest.approx(want, abs=1e-4)
+    text = "".join(
+        c.choices[0].text
+        for c in hf.completions.create(
+            model=server.model, prompt=PROMPT, max_tokens=4, temperature=0, stream=True
+        )
+    )
+    assert text == out.choices[0].text
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    value = hf.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "json"}], max_tokens=40,
+        seed=1, response_format={"type": "json_schema",
+                                 "json_schema": {"name": "o", "schema": schema}},
+    ).choices[0].message.content  # fmt: skip
+    jsonschema.validate(json.loads(value), schema)
+    status, out = server.call("/get_memory_pool_size")
+    assert status == 400 and "no KV memory pool" in out["error"]["message"]
