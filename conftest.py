@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.core import plugins
+from miles.core.registry import plugins
 
 # Tests never reach a model hub: every model is made at test time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

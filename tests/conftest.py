@@ -208,8 +208,8 @@ def miles_register_train_backends():
 # A third-party model family plus a recipe that uses it: Llama, which Miles itself does not cover.
 FAMILY_PLUGIN = """
 from miles.core import ComponentSpec, Kind, hookimpl
-from miles.core.family import ModelFamily, ModelShape, ParallelHints, ParamCounts
-from miles.core.recipe import Recipe
+from miles.core.contracts.family import ModelFamily, ModelShape, ParallelHints, ParamCounts
+from miles.core.contracts.recipe import Recipe
 
 
 def shape(config):
@@ -579,6 +579,12 @@ def venv_env() -> dict[str, str]:
 def core_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """miles-core, built once per session."""
     return build_wheel(ROOT / "packages/miles-core", tmp_path_factory.mktemp("core-wheel"))
+
+
+@pytest.fixture(scope="session")
+def runtime_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """miles-runtime, built once per session."""
+    return build_wheel(ROOT / "packages/miles-runtime", tmp_path_factory.mktemp("runtime-wheel"))
 
 
 # ── a traced run, shared by the tracing and report tests ────────────────────────────────────────

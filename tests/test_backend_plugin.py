@@ -21,7 +21,7 @@ PLUGIN = """
 import os
 
 from miles.core import Capability, ComponentSpec, Kind, hookimpl
-from miles.core.memory import engine, sharded_data_parallel
+from miles.core.contracts.memory import engine, sharded_data_parallel
 from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.train.config import FSDPConfig
 

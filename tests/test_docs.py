@@ -285,7 +285,7 @@ def yaml_configs(text: str) -> list[dict[str, Any]]:
 def config_problems(data: Any) -> list[str]:
     """What `miles run` would say about this config (or section), paths to local files aside."""
     from miles.core.config import ConfigError, RunConfig
-    from miles.core.runner import check_config
+    from miles.core.registry.validation import check_config
 
     if not isinstance(data, dict):
         return [f"not a mapping of config sections: {data!r}"]

@@ -26,11 +26,11 @@ import numpy as np
 import pytest
 import torch
 
-from miles.core.components import Kind
-from miles.core.plugins import get_plugin_manager
-from miles.core.protocols import LossInputs
-from miles.core.runtime.process import free_port
-from miles.core.types import GenerateRequest, PackedBatch, Sample, SamplingParams
+from miles.core.contracts.components import Kind
+from miles.core.registry.plugins import get_plugin_manager
+from miles.core.contracts.protocols import LossInputs
+from miles.runtime.cluster.process import free_port
+from miles.core.contracts.types import GenerateRequest, PackedBatch, Sample, SamplingParams
 from miles.recipes import quickstart_task
 from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.testing import make_trainer, sync_in_place

@@ -113,8 +113,8 @@ def test_the_walk_sees_every_package_and_its_imports() -> None:
     graph = _edges()
     assert {"miles.core.cli", "miles.torch.plugin", "miles.recipes.twins"} <= graph.keys()
     # Function-level and TYPE_CHECKING imports count too.
-    assert "miles.core.runner" in graph["miles.core.cli"]  # inside the `run` command
-    assert "miles.core.protocols" in graph["miles.core.hookspecs"]
+    assert "miles.runtime.runner" in graph["miles.runtime.commands"]  # inside the `run` command
+    assert "miles.core.contracts.protocols" in graph["miles.core.contracts.hookspecs"]
 
 
 def test_a_cycle_is_found_when_there_is_one() -> None:
@@ -151,7 +151,11 @@ def test_no_import_cycles() -> None:
 FORBIDDEN_IN_CORE = ("torch", "transformers", "safetensors", "tokenizers", "matplotlib")
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("miles.core")))
+# The contracts (miles-core) and the runtime (miles-runtime): the torch-free part of Miles.
+CORE_AND_RUNTIME = ("miles.core", "miles.runtime")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith(CORE_AND_RUNTIME)))
 def test_core_needs_no_torch_or_transformers(name: str) -> None:
     """At run time: tensors may appear in the contracts' annotations (under TYPE_CHECKING)."""
     bad = [
@@ -166,22 +170,22 @@ def test_core_needs_no_torch_or_transformers(name: str) -> None:
 # the one place in the core where a plugin's component is named. The manifest records the
 # version of the torch *distribution* (no component); Kind.AGENT's value is the kind's name,
 # which rollout function `agent` (miles-sglang) shares.
-DEFAULTS_MODULE = "miles.core.config"
-NOT_COMPONENTS = {("miles.core.rundir", "torch"), ("miles.core.components", "agent")}
+DEFAULTS_MODULE = "miles.core.config.schema"
+NOT_COMPONENTS = {("miles.runtime.rundir", "torch"), ("miles.core.contracts.components", "agent")}
 
 
 def test_core_never_names_a_plugins_component() -> None:
-    """No string in miles-core equals the name of a component another distribution registers:
+    """No string in miles-core or miles-runtime equals the name of a component another distribution registers:
     the core branches on capabilities and memory models, never on a backend's or precision's
     name."""
-    from miles.core.plugins import PluginManager
+    from miles.core.registry.plugins import PluginManager
 
     manager = PluginManager().load(strict=False)
     names = {c.name for c in manager.registry.all() if c.distribution != "miles-core"}
     assert {"fsdp", "torch", "fp8", "grpo"} <= names  # the walk sees the installed plugins
     hits = []
     for module, path in MODULES.items():
-        if not module.startswith("miles.core") or module == DEFAULTS_MODULE:
+        if not module.startswith(CORE_AND_RUNTIME) or module == DEFAULTS_MODULE:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (
@@ -191,3 +195,16 @@ def test_core_never_names_a_plugins_component() -> None:
             ):
                 hits.append(f"{module}:{node.lineno} {node.value!r}")
     assert not hits, "the core names plugin components: " + ", ".join(hits)
+
+
+def test_the_contracts_never_import_the_runtime() -> None:
+    """miles-core is what a plugin depends on without Ray: none of its modules imports
+    miles.runtime, not even inside a function."""
+    bad = [
+        f"{name}:{line} imports {target}"
+        for name, path in MODULES.items()
+        if name.startswith("miles.core")
+        for target, line in _imports(name, path)
+        if target == "miles.runtime" or target.startswith("miles.runtime.")
+    ]
+    assert not bad, "\n".join(bad)

@@ -794,7 +794,7 @@ def test_resume_refuses_a_checkpoint_numbered_the_old_way(tmp_path: Path, whole_
     resume one step off: refused, with the reason, before anything starts."""
     import json
 
-    from miles.core.rundir import _write_checksums
+    from miles.runtime.rundir import _write_checksums
 
     run_dir = tmp_path / "run"
     shutil.copytree(whole_sync, run_dir)

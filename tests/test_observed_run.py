@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from miles.core.runner import RunRequest, run_from_cli
+from miles.runtime.runner import RunRequest, run_from_cli
 
 from .conftest import TRACED_ENGINES as ENGINES
 from .conftest import TRACED_RANKS as RANKS

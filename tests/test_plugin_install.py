@@ -74,8 +74,8 @@ def test_third_party_example_plugin_is_usable_by_name(
     assert example["components"] == {"reward": ["keyword"]}
     use = (
         "import asyncio\n"
-        "from miles.core.plugins import get_plugin_manager\n"
-        "from miles.core.types import Sample\n"
+        "from miles.core.registry.plugins import get_plugin_manager\n"
+        "from miles.core.contracts.types import Sample\n"
         "spec = get_plugin_manager().get('reward', 'keyword').spec\n"
         "reward = spec.factory(spec.config(keywords=['because']))\n"
         "print(asyncio.run(reward('yes, because', Sample(prompt_ids=[1]))))\n"

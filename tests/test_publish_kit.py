@@ -105,6 +105,15 @@ def test_scaffolded_reward_builds_installs_and_passes(
     tests = sh(env / "bin/python", "-m", "pytest", "-q", "-p", "no:cacheprovider", cwd=project)
     assert "2 passed" in tests
 
+    # A reward plugin needs no Ray: in a venv of only what the three wheels declare (no runtime,
+    # no Ray, no torch), it lists and passes its checks.
+    bare = make_venv(tmp_path / "bare", core_wheel, kit_wheel, plugin_wheel, only_declared=True)
+    probe = "import importlib.util as u; print([n for n in ('ray', 'torch', 'miles.runtime') if u.find_spec(n)])"
+    assert sh(bare / "bin/python", "-c", probe).strip() == "[]"
+    assert "acme_contains" in sh(bare / "bin/miles", "plugins", "list", env=venv_env())
+    out = sh(bare / "bin/miles", "plugins", "check", names.dist, env=venv_env())
+    assert "miles-reward-acme-contains 0.1.0: all checks passed" in out
+
 
 def test_check_fails_bad_rewards_saying_what_is_wrong(
     tmp_path: Path, core_wheel: Path, kit_wheel: Path

@@ -102,7 +102,7 @@ def test_a_hub_model_that_cannot_be_fetched_is_said_before_launch(
 ) -> None:
     """The audit: `miles run qwen3-0.6b-gsm8k-grpo` on a machine without the hub failed inside an
     actor with a connection error, after Ray started."""
-    from miles.core.runtime.process import free_port
+    from miles.runtime.cluster.process import free_port
 
     cfg = write_config(tmp_path / "cfg.yaml", tiny_assets, model={"path": "Qwen/Qwen3-0.6B"})
     env = {

@@ -21,7 +21,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from miles.core.types import GenerateRequest, SamplingParams
+from miles.core.contracts.types import GenerateRequest, SamplingParams
 from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.engine.sampler import sample

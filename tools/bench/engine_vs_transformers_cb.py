@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from miles.core.types import GenerateRequest, SamplingParams
+from miles.core.contracts.types import GenerateRequest, SamplingParams
 from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.testing import make_tiny_model
 

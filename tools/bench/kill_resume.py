@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.core.rundir import latest_valid_checkpoint
+from miles.runtime.rundir import latest_valid_checkpoint
 
 # Metrics that measure the machine rather than the run: they differ between any two runs.
 _TIMING_MARKERS = ("_s", "per_s", "_frac_time", "tflops", "mfu", "gb_per_s", "perf/", "memory")

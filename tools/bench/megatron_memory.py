@@ -20,14 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from miles.core.protocols import LossInputs
-from miles.core.types import PackedBatch, Sample
+from miles.core.contracts.protocols import LossInputs
+from miles.core.contracts.types import PackedBatch, Sample
 
 
 def _checkpoint(model: str, out: Path) -> tuple[str, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from miles.core.families import family_named
+    from miles.core.registry.families import family_named
     from miles.torch.testing import make_tokenizer
 
     name, _, hub_id = model.partition("@")
@@ -68,8 +68,8 @@ def _batch(vocab: int, tokens: int, seqs: int) -> PackedBatch:
 
 
 def _plan(config: dict, tokens: int, checkpointing: bool) -> float:
-    from miles.core.families import family_of_config
-    from miles.core.memory import Layout, TrainInputs
+    from miles.core.registry.families import family_of_config
+    from miles.core.contracts.memory import Layout, TrainInputs
     from miles.megatron.config import MegatronConfig
     from miles.megatron.memory import megatron_memory
 
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="8192,16384", help="micro-batch tokens to try")
     parser.add_argument("--out", default="/tmp/megatron_memory.md")
     args = parser.parse_args()
-    from miles.core.runtime.process import free_port
+    from miles.runtime.cluster.process import free_port
     from miles.megatron.testing import make_trainer
 
     rows = []

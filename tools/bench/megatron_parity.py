@@ -117,7 +117,7 @@ def make_batch(vocab: int, count: int, longest: int, seed: int = 1) -> list[Micr
 
 
 def _model_config(model: str, overrides: list[str]) -> dict[str, Any]:
-    from miles.core.families import family_named
+    from miles.core.registry.families import family_named
 
     name, _, hub_id = model.partition("@")
     family = family_named(name)
@@ -148,7 +148,7 @@ class Rank:
         dist.init_process_group("nccl" if self.cuda else "gloo", rank=rank, world_size=args.world)
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from miles.core.families import family_named
+        from miles.core.registry.families import family_named
 
         self.config = _model_config(args.model, args.set)
         family = family_named(args.model.partition("@")[0])
@@ -372,7 +372,7 @@ class Rank:
         weight checksums (collective; the result on rank 0)."""
         from sync import engine_side
 
-        from miles.core.weight_sync import plan_buckets
+        from miles.core.contracts.weight_sync import plan_buckets
         from miles.torch.sync.checksum import tensors_checksum
         from miles.torch.sync.group import SyncGroup, meta_of
 

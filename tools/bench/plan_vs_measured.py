@@ -61,7 +61,7 @@ def write_checkpoint(checkpoint: str, layers: int | None, out: Path) -> dict[str
 
 
 def measure_train(path: str, tokens: int, seq_len: int) -> float:
-    from miles.core.types import PackedBatch, Sample
+    from miles.core.contracts.types import PackedBatch, Sample
     from miles.torch.testing import make_trainer
 
     trainer = make_trainer(
@@ -100,7 +100,7 @@ def measure_train(path: str, tokens: int, seq_len: int) -> float:
 
 
 def measure_rollout(path: str, concurrency: int, prompt: int, new: int) -> tuple[float, float]:
-    from miles.core.types import GenerateRequest, SamplingParams
+    from miles.core.contracts.types import GenerateRequest, SamplingParams
     from miles.torch.engine.engine import TorchRolloutEngine
 
     engine = TorchRolloutEngine(
@@ -127,7 +127,7 @@ def measure_rollout(path: str, concurrency: int, prompt: int, new: int) -> tuple
 
 def planned(path: str, tokens: int, concurrency: int, prompt: int, new: int) -> dict[str, Any]:
     from miles.core.config import parse
-    from miles.core.planner import plan
+    from miles.runtime.planning.planner import plan
 
     run = parse(
         {

@@ -73,7 +73,7 @@ def over_http(url: str, clients: int, per_client: int, length: int, vocab: int, 
 def in_process(
     engine: Any, clients: int, per_client: int, length: int, vocab: int, new: int
 ) -> dict:
-    from miles.core.types import GenerateRequest, SamplingParams
+    from miles.core.contracts.types import GenerateRequest, SamplingParams
 
     batches = [prompts(per_client, length, vocab, seed) for seed in range(clients)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=new)
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/serve.md")
     args = parser.parse_args()
 
-    from miles.core.runtime.process import free_port
+    from miles.runtime.cluster.process import free_port
     from miles.torch.engine.engine import TorchRolloutEngine
     from miles.torch.testing import make_tiny_model
 

@@ -307,7 +307,7 @@ def _broadcast_rank(rank: int, port: int, sizes: list[int], cpu: bool, out: Any)
 def plain_broadcast_gbps(sizes: list[int], cpu: bool) -> dict[int, float]:
     """GB/s of `torch.distributed.broadcast` from rank 0 (GPU 0) to rank 1 (GPU 1), per size
     in bytes, in two processes of their own (run before the trainer and engine start)."""
-    from miles.core.runtime.process import free_port
+    from miles.runtime.cluster.process import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -326,7 +326,7 @@ def plain_broadcast_gbps(sizes: list[int], cpu: bool) -> dict[int, float]:
 
 
 def disaggregated(args: argparse.Namespace) -> None:
-    from miles.core.runtime.process import free_port
+    from miles.runtime.cluster.process import free_port
     from miles.precision.dtype import bf16
     from miles.torch.testing import make_tiny_model, make_trainer
 

@@ -48,7 +48,7 @@ def matmul_rate(n: int = 8192, repeats: int = 20) -> float:
 
 def planned_train_gb(path: str, micro_batch_tokens: int) -> float:
     from miles.core.config import parse
-    from miles.core.planner import plan
+    from miles.runtime.planning.planner import plan
 
     run = parse(
         {
@@ -65,7 +65,7 @@ def w0_batch(samples: int, seq_len: int, varied: bool) -> Any:
     """W0's train batch (seeded): `samples` sequences of a 64-token prompt and a response; varied:
     responses of 1/8 to all of the budget, as a rollout's are (the padded layout pays for the
     longest of each micro-batch); else every sequence is `seq_len` long. Advantages +-1."""
-    from miles.core.types import PackedBatch, Sample
+    from miles.core.contracts.types import PackedBatch, Sample
 
     rng = np.random.default_rng(0)
     lengths = (

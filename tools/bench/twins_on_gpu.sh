@@ -14,7 +14,7 @@ if [ ${#families[@]} -eq 0 ]; then
 fi
 for f in "${families[@]}"; do
   replay=$(python3 -c "
-from miles.core.plugins import get_plugin_manager
+from miles.core.registry.plugins import get_plugin_manager
 print('ids' if get_plugin_manager().get('family', '$f').spec.factory().router else 'off')")
   start=$(date +%s)
   $cli run quickstart --run-dir "$out/$f" --set model.family="$f" --set moe.routing_replay=$replay \

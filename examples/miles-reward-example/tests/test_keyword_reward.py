@@ -2,7 +2,7 @@ import asyncio
 
 from miles_reward_example.plugin import KeywordConfig, KeywordReward
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 
 
 def test_keyword_reward_scores_presence() -> None:

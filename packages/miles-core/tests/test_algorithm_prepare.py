@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from miles.core.algorithm import Algorithm
-from miles.core.backends import LogprobResult
 from miles.core.config import AlgorithmConfig, ComponentRef, KLSettings
-from miles.core.types import PackedBatch, Sample
+from miles.core.contracts.algorithm import Algorithm
+from miles.core.contracts.backends import LogprobResult
+from miles.core.contracts.types import PackedBatch, Sample
 
 F32 = np.float32
 

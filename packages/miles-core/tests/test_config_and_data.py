@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from miles.core.algorithm import loss_weights
 from miles.core.config import ComponentRef, ConfigError, apply_overrides, parse, parse_partial
-from miles.core.configtools import build
-from miles.core.data import PromptSource, read_jsonl
-from miles.core.types import PackedBatch, Sample, split_by_token_budget
+from miles.core.config.tools import build
+from miles.core.contracts.algorithm import loss_weights
+from miles.core.contracts.types import PackedBatch, Sample, split_by_token_budget
+from miles.runtime.data.source import PromptSource, read_jsonl
 
 
 @dataclass
@@ -120,7 +120,7 @@ def test_parquet_rows_through_hf_datasets(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from miles.core.data import read_rows
+    from miles.runtime.data.source import read_rows
 
     path = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), path)

@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from miles.core import ComponentSpec, Kind
-from miles.core.components import ComponentConflictError, ComponentNotFoundError
-from miles.core.plugins import PluginManager
-from miles.core.types import Sample, split_by_token_budget
+from miles.core.contracts.components import ComponentConflictError, ComponentNotFoundError
+from miles.core.contracts.types import Sample, split_by_token_budget
+from miles.core.registry.plugins import PluginManager
 
 from .conftest import REWARD_PLUGIN, PlantFn
 
@@ -127,9 +127,9 @@ def test_unknown_name_suggests_close_matches() -> None:
 
 def test_import_path_resolves_one_off_components() -> None:
     manager = PluginManager().load()
-    component = manager.get(Kind.REWARD, "miles.core.types:Sample")
+    component = manager.get(Kind.REWARD, "miles.core.contracts.types:Sample")
     assert component.spec.factory is Sample  # a class is its own factory
-    function = manager.get(Kind.REWARD, "miles.core.types:split_by_token_budget")
+    function = manager.get(Kind.REWARD, "miles.core.contracts.types:split_by_token_budget")
     assert function.spec.factory() is split_by_token_budget  # a function is the component
     with pytest.raises(LookupError, match="cannot import"):
         manager.get(Kind.REWARD, "no_such_module:thing")

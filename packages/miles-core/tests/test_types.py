@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from miles.core.types import PackedBatch, Sample, split_by_token_budget
+from miles.core.contracts.types import PackedBatch, Sample, split_by_token_budget
 
 
 def test_split_by_token_budget_keeps_order_and_isolates_oversize() -> None:

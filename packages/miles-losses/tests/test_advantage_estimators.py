@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles.core.components import Capability, Kind
+from miles.core.contracts.components import Capability, Kind
 from miles.core.config import ComponentRef
-from miles.core.configtools import ConfigError
-from miles.core.factory import build_component
-from miles.core.plugins import get_plugin_manager
+from miles.core.config.tools import ConfigError
+from miles.core.registry.factory import build_component
+from miles.core.registry.plugins import get_plugin_manager
 from miles.losses.advantages import (
     GAEAdvantage,
     GRPOAdvantage,

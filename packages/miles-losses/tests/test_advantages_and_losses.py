@@ -1,7 +1,7 @@
 import numpy as np
 import torch
 
-from miles.core.protocols import LossInputs
+from miles.core.contracts.protocols import LossInputs
 from miles.losses.advantages import GRPOAdvantage
 from miles.losses.configs import GRPOConfig, PPOClipConfig
 from miles.losses.kl import k1, k2, k3

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from miles.core.protocols import LossInputs
+from miles.core.contracts.protocols import LossInputs
 from miles.losses.advantages import GAEAdvantage, GRPOAdvantage, ReinforcePPAdvantage
 from miles.losses.configs import (
     CISPOConfig,

@@ -48,9 +48,9 @@ from trl import RLOOConfig as TRLRLOOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.trainer.rloo_trainer import RLOOTrainer
 
-from miles.core.algorithm import Aggregation, loss_weights, token_seq_index
-from miles.core.protocols import LossInputs, PolicyLoss
-from miles.core.types import PackedBatch
+from miles.core.contracts.algorithm import Aggregation, loss_weights, token_seq_index
+from miles.core.contracts.protocols import LossInputs, PolicyLoss
+from miles.core.contracts.types import PackedBatch
 from miles.losses.advantages import GRPOAdvantage, RLOOAdvantage
 from miles.losses.configs import (
     CISPOConfig,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from miles.core import plugins
+from miles.core.registry import plugins
 
 PlantFn = Callable[..., str]  # the suite-wide `plant` fixture (conftest.py at the root)
 OnlyFn = Callable[..., None]

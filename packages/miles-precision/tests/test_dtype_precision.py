@@ -1,7 +1,7 @@
 import torch
 
-from miles.core.components import Capability, Kind
-from miles.core.plugins import get_plugin_manager
+from miles.core.contracts.components import Capability, Kind
+from miles.core.registry.plugins import get_plugin_manager
 from miles.precision.dtype import bf16, fp32
 
 

@@ -19,7 +19,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from miles.core.family import ModelFamily
+from miles.core.contracts.family import ModelFamily
 from miles.recipes.architectures import config_for
 from miles.recipes.families import deepseek_v3 as ds
 from miles.recipes.families import kimi_k25 as kk

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from miles.core.family import ModelShape, RouterAdapter
+from miles.core.contracts.family import ModelShape, RouterAdapter
 from miles.recipes.families.deepseek_v4 import (
     CSA,
     HCA,

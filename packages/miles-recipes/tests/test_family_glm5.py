@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from miles.core.family import ModelShape, RouterAdapter
+from miles.core.contracts.family import ModelShape, RouterAdapter
 from miles.recipes.families.glm5 import glm_moe_dsa, indexer_types
 from miles.recipes.twins import write_twin
 from miles.torch.models import load_causal_lm

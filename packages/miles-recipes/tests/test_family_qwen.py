@@ -13,7 +13,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from miles.core.family import ModelFamily
+from miles.core.contracts.family import ModelFamily
 from miles.recipes.architectures import config_for
 from miles.recipes.families.qwen3 import qwen3, qwen3_moe
 from miles.recipes.families.qwen3_5 import qwen3_5, qwen3_5_moe

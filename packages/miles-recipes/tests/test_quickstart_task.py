@@ -100,7 +100,7 @@ def test_datasets_are_deterministic_per_seed(tmp_path: Path) -> None:
 def test_a_model_path_of_the_users_own_builds_no_twin(tmp_path: Path) -> None:
     """`miles run quickstart --set model.path=...`: the datasets are made, the model is not."""
     from miles.core.config import apply_overrides
-    from miles.core.runner import check_config
+    from miles.core.registry.validation import check_config
     from miles.recipes.quickstart import CONFIG, PREPARES, prepare
 
     data = apply_overrides(dict(CONFIG), [f"model.path={tmp_path / 'mine'}"])

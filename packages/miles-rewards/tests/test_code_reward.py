@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 from miles.rewards.code import (
     Code,
     CodeConfig,

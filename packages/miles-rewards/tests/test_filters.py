@@ -1,4 +1,4 @@
-from miles.core.types import Sample, SampleStatus
+from miles.core.contracts.types import Sample, SampleStatus
 from miles.rewards.filters import DynamicSampling, DynamicSamplingConfig, Length, LengthConfig
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from miles.core.protocols import EnvStep, PromptGroup
-from miles.core.types import GenerateRequest, GenerateResult, SamplingParams
+from miles.core.contracts.protocols import EnvStep, PromptGroup
+from miles.core.contracts.types import GenerateRequest, GenerateResult, SamplingParams
 from miles.rewards.environments import Calculator, CalculatorConfig, safe_arithmetic
 from miles.rewards.multi_turn import MultiTurn, MultiTurnConfig
 

@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from miles.core.types import Sample, SampleStatus
+from miles.core.contracts.types import Sample, SampleStatus
 from miles.rewards.exact_match import ExactMatch, ExactMatchConfig
 from miles.rewards.filters import DropFailed, DropFailedConfig
 

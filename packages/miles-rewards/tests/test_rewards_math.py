@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 from miles.rewards.configs import CountdownConfig, GSM8KConfig, MathConfig
 from miles.rewards.countdown import Countdown, UnsafeExpression, evaluate
 from miles.rewards.gsm8k import GSM8K, extract_answer

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from miles.core.components import Capability
-from miles.core.plugins import get_plugin_manager
-from miles.core.runtime.scoring import RewardScorer
-from miles.core.types import Sample, SampleStatus
+from miles.core.contracts.components import Capability
+from miles.core.registry.plugins import get_plugin_manager
+from miles.runtime.rollout.scoring import RewardScorer
+from miles.core.contracts.types import Sample, SampleStatus
 from miles.rewards.configs import LLMJudgeConfig, RemoteRMConfig
 from miles.rewards.llm_judge import LLMJudge, parse_score
 from miles.rewards.remote_rm import RemoteRewardError, RemoteRM, RetryPolicy

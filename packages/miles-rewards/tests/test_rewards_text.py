@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 from miles.rewards.configs import (
     CountdownConfig,
     FormatConfig,

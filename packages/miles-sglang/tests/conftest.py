@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from miles.core.runtime.process import free_port
+from miles.runtime.cluster.process import free_port
 
 
 @dataclass

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from miles.core.protocols import PromptGroup
-from miles.core.types import GenerateRequest, GenerateResult, SampleStatus, SamplingParams
+from miles.core.contracts.protocols import PromptGroup
+from miles.core.contracts.types import GenerateRequest, GenerateResult, SampleStatus, SamplingParams
 from miles.sglang.agent_rollout import AgentRollout
 from miles.sglang.agents import AgentOutcome, AgentRolloutConfig, AgentSession
 from miles.sglang.calculator_agent import calculator

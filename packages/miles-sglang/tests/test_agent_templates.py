@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from miles.core.protocols import PromptGroup
-from miles.core.runtime.ledger import SampleLedger
-from miles.core.runtime.rollout_metrics import agent_metrics
-from miles.core.types import GenerateRequest, GenerateResult, Sample, SampleStatus, SamplingParams
+from miles.core.contracts.protocols import PromptGroup
+from miles.runtime.rollout.ledger import SampleLedger
+from miles.runtime.rollout.rollout_metrics import agent_metrics
+from miles.core.contracts.types import GenerateRequest, GenerateResult, Sample, SampleStatus, SamplingParams
 from miles.sglang.agent_rollout import AgentRollout
 from miles.sglang.agents import AgentOutcome, AgentRolloutConfig, AgentSession
 

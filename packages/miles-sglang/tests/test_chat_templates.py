@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from miles.core.types import GenerateResult
+from miles.core.contracts.types import GenerateResult
 from miles.sglang.trajectory import Diverged, Trajectory
 
 OFF = {"enable_thinking": False}

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from miles.core.types import GenerateRequest, GenerateResult, SamplingParams
+from miles.core.contracts.types import GenerateRequest, GenerateResult, SamplingParams
 from miles.sglang.host import EngineHost, Finished
 
 

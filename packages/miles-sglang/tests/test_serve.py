@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from miles.core.runtime.process import free_port
+from miles.runtime.cluster.process import free_port
 from miles.sglang import protocol as wire
 from miles.torch.testing import make_tiny_model
 
@@ -362,7 +362,7 @@ def test_weights_from_tensor_by_reference_and_refused_payloads(server, model, tm
     import base64
     import pickle
 
-    from miles.core.weight_sync import plan_buckets
+    from miles.core.contracts.weight_sync import plan_buckets
     from miles.sglang.tensors import serialize_bucket
     from miles.torch.sync.group import meta_of
     from miles.torch.sync.ipc import pack_bucket, release, share

@@ -86,7 +86,7 @@ def test_without_sglang_or_urls_the_run_stops_before_launch_and_says_what_to_do(
 
 
 def test_an_older_sglang_is_refused_with_the_version_needed(monkeypatch):
-    from miles.core.backends import RolloutSetup
+    from miles.core.contracts.backends import RolloutSetup
     from miles.precision.dtype import fp32
     from miles.sglang.config import SGLangConfig
     from miles.sglang.engine import ServerError, SGLangClient, SGLangEngine
@@ -339,7 +339,7 @@ def test_a_server_that_does_not_answer_stops_the_run_before_launch(tmp_path):
 
 
 def test_a_launched_servers_command_line():
-    from miles.core.backends import RolloutSetup
+    from miles.core.contracts.backends import RolloutSetup
     from miles.precision.dtype import bf16
     from miles.sglang.config import SGLangConfig
     from miles.sglang.launcher import server_command

@@ -11,7 +11,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from miles.core.types import TokenConstraint
+from miles.core.contracts.types import TokenConstraint
 from miles.sglang.structured import GrammarConstraint, compile_constraint, lltokenizer_for
 from miles.torch.testing import make_tokenizer
 

@@ -16,8 +16,8 @@ import yaml
 
 from miles.core import Kind
 from miles.core.config import ComponentRef
-from miles.core.factory import build_component
-from miles.core.plugins import PluginManager
+from miles.core.registry.factory import build_component
+from miles.core.registry.plugins import PluginManager
 from miles.sinks.common import scalars
 from miles.sinks.config import MlflowConfig, TensorBoardConfig, WandbConfig
 
@@ -217,7 +217,7 @@ def test_plugin_manager_finds_the_sinks() -> None:
 def test_listing_and_checking_import_no_backend() -> None:
     code = (
         "import sys\n"
-        "from miles.core.plugins import PluginManager\n"
+        "from miles.core.registry.plugins import PluginManager\n"
         "from miles.sinks import plugin\n"
         "manager = PluginManager().load()\n"
         "for spec in plugin.miles_register_metric_sinks():\n"

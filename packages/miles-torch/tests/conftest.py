@@ -29,7 +29,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
 @pytest.fixture
 def make_trainer() -> Iterator[Callable[..., Any]]:
     """Builds single-rank FSDP trainers; closes them (and the process group) after the test."""
-    from miles.core.runtime.process import free_port
+    from miles.runtime.cluster.process import free_port
     from miles.torch.testing import make_trainer as make_one
 
     made: list[Any] = []

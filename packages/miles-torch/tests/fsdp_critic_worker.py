@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from miles.core.protocols import LossInputs
-from miles.core.types import PackedBatch
+from miles.core.contracts.protocols import LossInputs
+from miles.core.contracts.types import PackedBatch
 from miles.torch.testing import make_trainer
 from miles.torch.train import checkpoint as ckpt
 from miles.torch.weights import named_state

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from miles.core.protocols import LossInputs
-from miles.core.types import PackedBatch
+from miles.core.contracts.protocols import LossInputs
+from miles.core.contracts.types import PackedBatch
 from miles.torch.testing import make_trainer
 
 # Adam's large eps keeps the update smooth in the grad (see test_fsdp.py's micro-batching test).

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.core.backends import RolloutEngine
-from miles.core.types import GenerateRequest, GenerateResult, SamplingParams
+from miles.core.contracts.backends import RolloutEngine
+from miles.core.contracts.types import GenerateRequest, GenerateResult, SamplingParams
 from miles.torch.engine.batch import Batch
 from miles.torch.engine.engine import TorchRolloutEngine
 

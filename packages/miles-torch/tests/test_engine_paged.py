@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.core.types import GenerateRequest, SamplingParams
+from miles.core.contracts.types import GenerateRequest, SamplingParams
 from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.engine.paged.pages import PagePool
@@ -318,7 +318,7 @@ def test_paged_sampler_draws_from_exactly_the_filtered_distribution(
 @pytest.mark.parametrize("kv_cache_tokens", [None, 200])
 def test_the_memory_plan_counts_the_cache_the_paged_engine_allocates(tiny_model, kv_cache_tokens):
     from miles.core.config import parse
-    from miles.core.planner import plan
+    from miles.runtime.planning.planner import plan
 
     path = tiny_model("qwen3")
     rollout = dict(max_batch_size=3, max_context=40, page_size=4, path="paged")

@@ -6,7 +6,7 @@ import base64
 import pytest
 import torch
 
-from miles.core.types import GenerateRequest, SamplingParams
+from miles.core.contracts.types import GenerateRequest, SamplingParams
 from miles.torch.engine.engine import TorchRolloutEngine
 
 torch.set_num_threads(1)

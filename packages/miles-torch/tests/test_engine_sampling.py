@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.core.types import GenerateRequest, SamplingParams
+from miles.core.contracts.types import GenerateRequest, SamplingParams
 from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.engine.loader import eos_token_ids
 from miles.torch.engine.sampler import SamplingTensors, sample

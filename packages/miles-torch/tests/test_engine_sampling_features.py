@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
-from miles.core.types import GenerateRequest, SamplingParams
+from miles.core.contracts.types import GenerateRequest, SamplingParams
 from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.engine.logits import LogitsProcessor, unpack_bitmask

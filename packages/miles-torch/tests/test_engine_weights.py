@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.core.types import GenerateRequest, SamplingParams
+from miles.core.contracts.types import GenerateRequest, SamplingParams
 from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.sync.checksum import tensors_checksum
 

@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from miles.core.protocols import LossInputs
-from miles.core.types import PackedBatch, Sample
+from miles.core.contracts.protocols import LossInputs
+from miles.core.contracts.types import PackedBatch, Sample
 from miles.torch.testing import make_tiny_model
 from miles.torch.train.config import FSDPConfig
 from miles.torch.train.fsdp import FSDPTrainer

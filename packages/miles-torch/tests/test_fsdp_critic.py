@@ -15,9 +15,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from miles.core.protocols import LossInputs
-from miles.core.runtime.process import free_port
-from miles.core.types import PackedBatch, Sample
+from miles.core.contracts.protocols import LossInputs
+from miles.runtime.cluster.process import free_port
+from miles.core.contracts.types import PackedBatch, Sample
 from miles.torch.testing import make_tiny_model
 from miles.torch.train.config import FSDPConfig
 from miles.torch.train.fsdp import FSDPTrainer

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.core.protocols import LossInputs
-from miles.core.types import PackedBatch, Sample
+from miles.core.contracts.protocols import LossInputs
+from miles.core.contracts.types import PackedBatch, Sample
 from miles.torch.testing import make_tiny_model, make_trainer
 from miles.torch.train.fsdp import FSDPTrainer
 

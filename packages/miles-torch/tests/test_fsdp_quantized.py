@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from miles.core.config import LoRAConfig
-from miles.core.types import GenerateRequest, PackedBatch, Sample, SamplingParams
+from miles.core.contracts.types import GenerateRequest, PackedBatch, Sample, SamplingParams
 from miles.precision.config import Int4QATConfig, QuantConfig
 from miles.precision.quantized import (
     QuantizedPrecision,

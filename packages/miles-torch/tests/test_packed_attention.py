@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.core.types import PackedBatch, Sample
+from miles.core.contracts.types import PackedBatch, Sample
 from miles.torch.train import packed_attention
 from miles.torch.train.checks import packs_sequences
 from miles.torch.train.logprobs import token_logprobs

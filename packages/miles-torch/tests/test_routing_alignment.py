@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from miles.core.types import PackedBatch, Sample
+from miles.core.contracts.types import PackedBatch, Sample
 from miles.torch.train.microbatch import shard_micro_batches
 
 LAYERS, TOP_K = 3, 2

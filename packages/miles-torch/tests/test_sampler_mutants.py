@@ -8,7 +8,7 @@ from math import inf, log
 import pytest
 import torch
 
-from miles.core.types import SamplingParams
+from miles.core.contracts.types import SamplingParams
 from miles.torch.engine import sample_kernel
 from miles.torch.engine.sampler import (
     NO_SEED,

@@ -7,7 +7,7 @@ import socket
 
 import torch
 
-from miles.core.weight_sync import plan_buckets
+from miles.core.contracts.weight_sync import plan_buckets
 from miles.torch.sync.checksum import tensors_checksum
 from miles.torch.sync.group import SyncGroup, meta_of
 

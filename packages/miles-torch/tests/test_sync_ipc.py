@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from miles.core.weight_sync import SyncPlan, TensorMeta, plan_buckets
+from miles.core.contracts.weight_sync import SyncPlan, TensorMeta, plan_buckets
 from miles.torch.sync import ipc
 from miles.torch.sync.checksum import tensors_checksum
 from miles.torch.sync.group import meta_of

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.core.weight_sync import (
+from miles.core.contracts.weight_sync import (
     DTYPE_BYTES,
     Bucket,
     SyncPlan,

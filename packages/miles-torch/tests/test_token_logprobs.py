@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from miles.core.types import PackedBatch, Sample
+from miles.core.contracts.types import PackedBatch, Sample
 from miles.torch.train.logprobs import token_logprobs
 from miles.torch.train.microbatch import make_micro_batch
 

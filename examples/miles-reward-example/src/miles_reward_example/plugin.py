@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from miles.core import ComponentSpec, Kind, hookimpl
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 
 
 @dataclass

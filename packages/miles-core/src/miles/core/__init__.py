@@ -1,4 +1,7 @@
-"""Miles core: hookspecs, plugin manager, config, data types, the RL loop and the CLI.
+"""Miles core: the contracts a plugin implements, the config schema, the plugin registry and the
+`miles` CLI. Grouped by layer: `contracts` (hookspecs, component specs, protocols, data types),
+`config`, `registry` (discovery, lookup, validation), `observability` (spans and logs). The loop
+and its Ray orchestration are miles-runtime's (`miles.runtime`).
 
 What a plugin author needs is importable from here::
 
@@ -7,8 +10,11 @@ What a plugin author needs is importable from here::
 
 from importlib.metadata import PackageNotFoundError, version
 
-from miles.core.components import Capability, Component, ComponentSpec, Kind, lazy
-from miles.core.hookspecs import hookimpl
+from miles.core import _moved
+from miles.core.contracts.components import Capability, Component, ComponentSpec, Kind, lazy
+from miles.core.contracts.hookspecs import hookimpl
+
+_moved.install()  # the pre-0.1 import paths, with a DeprecationWarning
 
 try:
     __version__ = version("miles-core")

@@ -1,7 +1,8 @@
 """The ``miles`` command line.
 
-Heavy modules (ray, the OpenTelemetry SDK) are imported inside the commands that need them, so
-``miles --help`` stays fast. Plugins may add commands (the ``miles_register_commands`` hook).
+These are the commands of a minimal install: plugins, components and recipes. Plugins add the
+others through the ``miles_register_commands`` hook: `miles run` and `miles recipes plan` come
+with miles-runtime, `miles serve` with miles-sglang, `miles report` with miles-report.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import click
@@ -22,11 +22,12 @@ if not sys.stderr.isatty():
     os.environ.setdefault("TQDM_DISABLE", "1")
 
 from miles.core import __version__
-from miles.core.components import ComponentConflictError, ComponentNotFoundError, Kind
-from miles.core.plugins import PluginManager, get_plugin_manager
+from miles.core.contracts.components import ComponentConflictError, ComponentNotFoundError, Kind
+from miles.core.registry.plugins import PluginManager, get_plugin_manager
+from miles.core.registry.validation import EMBEDDED_DEFAULTS
 
 
-def _manager(strict: bool = True) -> PluginManager:
+def plugin_manager(strict: bool = True) -> PluginManager:
     """The plugins; with `strict`, a name two distributions register is an error here."""
     manager = get_plugin_manager()
     if strict:
@@ -52,7 +53,22 @@ class _MilesGroup(click.Group):
         if command is None:
             _add_plugin_commands()
             command = super().get_command(ctx, cmd_name)
+        if command is None:
+            name = f"{ctx.command_path.partition(' ')[2]} {cmd_name}".strip()
+            if name in _COMMANDS_ELSEWHERE:
+                raise click.UsageError(f"`miles {name}` {_COMMANDS_ELSEWHERE[name]}")
         return command
+
+
+# Commands other distributions add, and what to install for them: said instead of click's
+# "No such command" in a minimal install (`pip install miles-core` alone has no runtime).
+_COMMANDS_ELSEWHERE = {
+    "run": "comes with miles-runtime, which the default backends bring: "
+    f"pip install {EMBEDDED_DEFAULTS}",
+    "recipes plan": "comes with miles-runtime (the memory planner): pip install miles-runtime",
+    "serve": "comes with miles-sglang: pip install miles-sglang",
+    "report": "comes with miles-report: pip install miles-report",
+}
 
 
 _commands_added_by: PluginManager | None = None
@@ -85,7 +101,7 @@ def _add_plugin_commands() -> None:
 @click.pass_context
 def cli(ctx: click.Context, log_format: str, log_level: str) -> None:
     """Miles: PyTorch-native RL post-training for large language models."""
-    from miles.core.logsetup import configure_logging
+    from miles.core.observability.logsetup import configure_logging
 
     ctx.ensure_object(dict)
     ctx.obj["log_format"], ctx.obj["log_level"] = log_format, log_level
@@ -108,7 +124,7 @@ def plugins() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 def plugins_list(as_json: bool) -> None:
     """Every distribution in the `miles` entry-point group, its status and components."""
-    manager = _manager(strict=False)
+    manager = plugin_manager(strict=False)
     records = list(manager.records.values())
     if as_json:
         click.echo(json.dumps([r.to_json() for r in records], indent=2))
@@ -119,7 +135,7 @@ def plugins_list(as_json: bool) -> None:
             detail = kinds or ([r.error] if r.error else ["-"])
             rows.append((r.name, r.version, r.status, detail[0]))
             rows.extend(("", "", "", line) for line in detail[1:])
-        _print_table(rows)
+        print_table(rows)
     for conflict in manager.conflicts:
         click.secho(f"error: {conflict}", fg="red", err=True)
     if manager.conflicts:
@@ -132,7 +148,7 @@ def plugins_show(name: str) -> None:
     """Everything known about one plugin distribution."""
     from packaging.utils import canonicalize_name
 
-    manager = _manager(strict=False)
+    manager = plugin_manager(strict=False)
     record = manager.records.get(canonicalize_name(name))
     if record is None:
         import difflib
@@ -182,7 +198,7 @@ def components_list(kind: str | None, as_json: bool) -> None:
             f"unknown kind {kind!r}; choose from {', '.join(k.value for k in Kind)}",
             param_hint="--kind",
         )
-    manager = _manager()
+    manager = plugin_manager()
     items = [c for c in manager.registry.all() if kind is None or c.kind == kind]
     if as_json:
         data = [
@@ -200,13 +216,13 @@ def components_list(kind: str | None, as_json: bool) -> None:
         return
     rows = [("KIND", "NAME", "PROVIDED BY", "SUMMARY")]
     rows += [(str(c.kind), c.name, c.provider, c.spec.summary) for c in items]
-    _print_table(rows)
+    print_table(rows)
 
 
 # ── recipes ──────────────────────────────────────────────────────────────────────────────────────
 
 
-@cli.group()
+@cli.group(cls=_MilesGroup)
 def recipes() -> None:
     """Ready-to-run recipes: list them, show their config, plan their memory."""
 
@@ -216,10 +232,10 @@ def recipes() -> None:
 def recipes_list(as_json: bool) -> None:
     """Every installed recipe: its model, where it runs, and whether `miles run` would start it
     here (everything it needs installed and supported in this release); if not, why."""
-    from miles.core.recipe import describe
-    from miles.core.runner import recipe_problems
+    from miles.core.contracts.recipe import describe
+    from miles.core.registry.validation import recipe_problems
 
-    manager = _manager()
+    manager = plugin_manager()
     items = [describe(c, recipe_problems) for c in manager.registry.all() if c.kind == Kind.RECIPE]
     if as_json:
         click.echo(json.dumps(items, indent=2))
@@ -230,7 +246,7 @@ def recipes_list(as_json: bool) -> None:
          i["provided_by"], i["summary"])
         for i in items
     ]  # fmt: skip
-    _print_table(rows)
+    print_table(rows)
     blocked = [i for i in items if i["problems"]]
     if blocked:
         click.echo("\nnot ready here (miles run would stop before launch):")
@@ -245,133 +261,18 @@ def recipes_list(as_json: bool) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a key.")
 def recipes_show(name: str, overrides: tuple[str, ...]) -> None:
     """Print a recipe's resolved config (every default filled in) as YAML."""
-    from miles.core.recipe import resolved_yaml
+    from miles.core.contracts.recipe import resolved_yaml
 
-    click.echo(resolved_yaml(_load_recipe(name), list(overrides)), nl=False)
-
-
-@recipes.command("plan")
-@click.argument("target")
-@click.option("--gpus", type=int, default=None, help="Re-lay the recipe out on this many GPUs.")
-@click.option("--gpu-mem", default=None, help="Memory of one GPU, e.g. 141GB or 80GiB.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a key.")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def recipes_plan(
-    target: str, gpus: int | None, gpu_mem: str | None, overrides: tuple[str, ...], as_json: bool
-) -> None:
-    """Per-GPU memory of a recipe (or CONFIG.yaml): weights, gradients, optimizer state,
-    activations and KV cache. Exits 1 when it does not fit in --gpu-mem."""
-    from miles.core.config import ConfigError, apply_overrides, load_yaml, parse
-    from miles.core.gpu_memory import MemoryParseError, parse_memory
-    from miles.core.plan_table import format_plan
-    from miles.core.planner import PlanError, plan
-
-    recipe = None
-    try:
-        if target.endswith((".yaml", ".yml")) or Path(target).is_file():
-            data = load_yaml(target)
-        else:
-            recipe = _load_recipe(target)
-            data = dict(recipe.config)
-        config = parse(apply_overrides(data, list(overrides)))
-        hf_config = None
-        if recipe is not None and not config.model.path and "model.path" in recipe.prepares:
-            hf_config = _made_model_config(recipe, config)
-        mem = parse_memory(gpu_mem) if gpu_mem else None
-        if gpus is not None and gpus < 1:
-            raise PlanError("--gpus must be at least 1")
-        _manager()
-        result = plan(config, gpus=gpus, gpu_mem_gb=mem, hf_config=hf_config)
-    except (ConfigError, PlanError, MemoryParseError) as exc:
-        raise click.ClickException(str(exc)) from None
-    if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
-    else:
-        click.echo(format_plan(result))
-        if gpus is not None:
-            layout = result.layout
-            click.echo(
-                f"to run this layout: --set train.world_size={layout.train_gpus} "
-                f"--set rollout.engines={layout.engines}"
-            )
-    if result.fits is False:
-        sys.exit(1)
+    click.echo(resolved_yaml(load_recipe(name), list(overrides)), nl=False)
 
 
-def _made_model_config(recipe: Any, config: Any) -> dict[str, Any]:
-    """The config.json of the model a recipe makes at run time: as the recipe says it, or else
-    read from the model its `prepare` makes in a temporary directory (then deleted)."""
-    import tempfile
-
-    from miles.core.families import read_config
-
-    if recipe.model_config is not None:
-        return dict(recipe.model_config(config))
-    with tempfile.TemporaryDirectory(prefix="miles-plan-") as assets:
-        made = recipe.prepare(Path(assets), config)
-        found = read_config(str(made.get("model.path", "")))
-    if found is None:
-        raise click.ClickException("the recipe's prepare made no model with a config.json")
-    return found
+def load_recipe(name: str) -> Any:
+    """The recipe registered as `name`, made; a click error naming the installed ones if none."""
+    return _lookup(plugin_manager(), Kind.RECIPE, name).spec.factory()
 
 
-def _load_recipe(name: str) -> Any:
-    return _lookup(_manager(), Kind.RECIPE, name).spec.factory()
-
-
-# ── run ──────────────────────────────────────────────────────────────────────────────────────────
-
-
-@cli.command()
-@click.argument("target", required=False)
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Override any config key, e.g. --set steps=20 --set rollout.temperature=0.8.",
-)
-@click.option(
-    "--run-dir",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Where the run writes its files (default: runs/NAME-TIMESTAMP).",
-)
-@click.option(
-    "--resume", is_flag=True, help="Continue the run in --run-dir from its last checkpoint."
-)
-@click.option("--ray-address", default=None, help="Join this Ray cluster instead of starting one.")
-@click.pass_context
-def run(
-    ctx: click.Context,
-    target: str | None,
-    overrides: tuple[str, ...],
-    run_dir: Path | None,
-    resume: bool,
-    ray_address: str | None,
-) -> None:
-    """Run RL post-training from CONFIG.yaml or a recipe name (see `miles recipes list`)."""
-    if target is None and not resume:
-        raise click.UsageError("give a CONFIG.yaml or a recipe name (or --resume --run-dir DIR)")
-    if not ray_address:
-        # The local Ray this run starts requires Ray's auth token on every connection. Ray reads
-        # the mode once, on import: set it before anything imports ray.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
-    from miles.core.runner import RunRequest, run_from_cli
-
-    request = RunRequest(
-        target=target or "",
-        overrides=list(overrides),
-        run_dir=run_dir,
-        resume=resume,
-        ray_address=ray_address,
-        log_format=ctx.obj["log_format"],
-        log_level=ctx.obj["log_level"],
-    )
-    sys.exit(run_from_cli(request))
-
-
-def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
+def print_table(rows: Sequence[tuple[str, ...]]) -> None:
+    """Left-aligned columns, the last one free."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         cells = [c.ljust(w) for c, w in zip(r, widths, strict=False)] + [r[-1]]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from miles.core.protocols import LossInputs
+from miles.core.contracts.protocols import LossInputs
 from miles.losses.configs import CISPOConfig, GSPOConfig, PPOClipConfig, SFTConfig, ValueConfig
 
 Output = tuple[torch.Tensor, dict[str, torch.Tensor]]

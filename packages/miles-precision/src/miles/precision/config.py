@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from miles.core.memory import PrecisionBytes
+from miles.core.contracts.memory import PrecisionBytes
 
 Compute = Literal["bfloat16", "float32"]
 

@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from miles.core import ComponentSpec, Kind
-from miles.core.recipe import Recipe
+from miles.core.contracts.recipe import Recipe
 
 CONFIGS = Path(str(resources.files("miles.recipes") / "configs"))
 # The packages that provide the production backends the frontier recipes name, for the error a

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.core.config import RunConfig
-from miles.core.recipe import Recipe
+from miles.core.contracts.recipe import Recipe
 
 CONFIG: dict[str, Any] = {
     "name": "quickstart",

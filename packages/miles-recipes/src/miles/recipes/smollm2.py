@@ -28,8 +28,8 @@ import structlog
 
 from miles.core.cache import cache_dir
 from miles.core.config import RunConfig, parse
-from miles.core.gpu_memory import local_gpu_memory_gb
-from miles.core.recipe import Recipe
+from miles.runtime.planning.gpu_memory import local_gpu_memory_gb
+from miles.core.contracts.recipe import Recipe
 from miles.recipes import arithmetic
 
 log = structlog.get_logger(__name__)

@@ -22,7 +22,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 from miles.rewards import plain_values
 from miles.rewards.sandbox import Sandbox, SandboxLimits
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 from miles.rewards.configs import CountdownConfig
 
 _MAX_CHARS = 512  # longer than any sane equation over a handful of numbers; bounds parse cost

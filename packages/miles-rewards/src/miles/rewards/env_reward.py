@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 
 
 @dataclass

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from miles.core.protocols import EnvStep
+from miles.core.contracts.protocols import EnvStep
 
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

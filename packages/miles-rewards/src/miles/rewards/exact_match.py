@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 
 
 @dataclass

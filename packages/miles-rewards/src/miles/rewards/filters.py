@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from miles.core.types import Sample, SampleStatus
+from miles.core.contracts.types import Sample, SampleStatus
 
 
 @dataclass

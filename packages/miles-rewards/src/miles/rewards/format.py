@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 from miles.rewards.configs import FormatConfig
 
 

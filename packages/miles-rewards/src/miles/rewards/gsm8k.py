@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 from miles.rewards.configs import GSM8KConfig
 
 _STRICT = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")

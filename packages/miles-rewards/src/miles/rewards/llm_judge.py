@@ -16,7 +16,7 @@ import asyncio
 import re
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 from miles.rewards.configs import LLMJudgeConfig
 from miles.rewards.remote_rm import (
     RemoteRewardError,

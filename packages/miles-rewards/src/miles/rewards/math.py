@@ -17,7 +17,7 @@ import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 from miles.rewards.configs import MathConfig
 
 

@@ -14,7 +14,7 @@ are punished in full.
 
 from __future__ import annotations
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 from miles.rewards.configs import OverlongConfig
 
 

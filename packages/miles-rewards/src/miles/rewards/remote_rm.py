@@ -22,7 +22,7 @@ import string
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 from miles.rewards.configs import RemoteRMConfig
 
 if TYPE_CHECKING:

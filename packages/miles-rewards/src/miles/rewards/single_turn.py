@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from miles.core.protocols import PromptGroup, RolloutContext
-from miles.core.types import GenerateRequest, Sample, SampleStatus
+from miles.core.contracts.protocols import PromptGroup, RolloutContext
+from miles.core.contracts.types import GenerateRequest, Sample, SampleStatus
 
 _STATUS = {
     "stop": SampleStatus.COMPLETED,

@@ -9,11 +9,11 @@ import inspect
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from miles.core.components import Kind
+from miles.core.contracts.components import Kind
 from miles.core.config import ComponentRef
-from miles.core.factory import build_component
-from miles.core.protocols import PromptGroup, RolloutContext
-from miles.core.types import Sample, SampleStatus
+from miles.core.registry.factory import build_component
+from miles.core.contracts.protocols import PromptGroup, RolloutContext
+from miles.core.contracts.types import Sample, SampleStatus
 from miles.sglang.agents import Agent, AgentOutcome, AgentRolloutConfig, AgentSession
 from miles.sglang.gateway import AgentGateway
 from miles.sglang.trajectory import Trajectory

@@ -23,10 +23,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.core.components import Kind
+from miles.core.contracts.components import Kind
 from miles.core.config import ComponentRef
-from miles.core.configtools import ConfigError, build
-from miles.core.plugins import get_plugin_manager
+from miles.core.config.tools import ConfigError, build
+from miles.core.registry.plugins import get_plugin_manager
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.core.config import RunConfig
-from miles.core.recipe import Recipe
+from miles.core.contracts.recipe import Recipe
 from miles.recipes.quickstart import CONFIG as QUICKSTART
 from miles.recipes.quickstart import twin_config
 from miles.sglang.agents import AgentOutcome, AgentSession

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from miles.core.protocols import Tokenizer
+from miles.core.contracts.protocols import Tokenizer
 
 REPLY = "MilesReplyMarker"  # stands for the last reply's content
 _NEW = "MilesNewMessage{}Marker"  # stands for the content of new message i

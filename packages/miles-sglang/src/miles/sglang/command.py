@@ -188,7 +188,7 @@ def _model_path(target: str, overrides: list[str]) -> str:
     if path.is_dir() and (path / "config.json").is_file() and not overrides:
         return str(path)
     from miles.core.config import ConfigError
-    from miles.core.runner import RunRequest, resolve_config
+    from miles.runtime.runner import RunRequest, resolve_config
 
     assets = Path(tempfile.mkdtemp(prefix="miles-serve-"))
     try:

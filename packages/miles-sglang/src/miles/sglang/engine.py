@@ -33,9 +33,9 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from miles.core.backends import EngineUnavailable, RolloutSetup
-from miles.core.types import GenerateRequest, GenerateResult
-from miles.core.weight_sync import SyncPlan
+from miles.core.contracts.backends import EngineUnavailable, RolloutSetup
+from miles.core.contracts.types import GenerateRequest, GenerateResult
+from miles.core.contracts.weight_sync import SyncPlan
 from miles.sglang.config import MIN_SGLANG, SGLangConfig
 from miles.sglang.launcher import LaunchedServer
 from miles.sglang.serve_keys import key_for_url
@@ -102,7 +102,7 @@ def _message(err: urllib.error.HTTPError) -> str:
 
 
 class SGLangEngine:
-    """A `miles.core.protocols.RolloutEngine` over one SGLang server."""
+    """A `miles.core.contracts.protocols.RolloutEngine` over one SGLang server."""
 
     def __init__(self, config: SGLangConfig, setup: RolloutSetup) -> None:
         self.server: LaunchedServer | None = None

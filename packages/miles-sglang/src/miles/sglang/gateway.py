@@ -28,8 +28,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from miles.core.protocols import RolloutContext, Tokenizer
-from miles.core.types import GenerateRequest, GenerateResult
+from miles.core.contracts.protocols import RolloutContext, Tokenizer
+from miles.core.contracts.types import GenerateRequest, GenerateResult
 from miles.sglang import openai
 from miles.sglang import protocol as wire
 from miles.sglang.openai_chunks import finished_stream

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.core.types import GenerateRequest, GenerateResult, SamplingParams
+from miles.core.contracts.types import GenerateRequest, GenerateResult, SamplingParams
 
 Deliver = Callable[["Finished"], None]
 # A streamed prompt's response so far (ids, logprobs), after each model step.

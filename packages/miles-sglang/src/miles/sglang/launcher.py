@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles.core.backends import RolloutSetup
-from miles.core.runtime.process import free_port
+from miles.core.contracts.backends import RolloutSetup
+from miles.runtime.cluster.process import free_port
 from miles.sglang.config import SGLangConfig
 
 

@@ -11,8 +11,8 @@ from typing import Any
 import click
 
 from miles.core import hookimpl
-from miles.core.backends import RolloutSetup
-from miles.core.components import Capability, ComponentSpec, Kind
+from miles.core.contracts.backends import RolloutSetup
+from miles.core.contracts.components import Capability, ComponentSpec, Kind
 from miles.core.config import RunConfig
 from miles.sglang.agents import AgentRolloutConfig
 from miles.sglang.calculator_agent import CalculatorAgent, CalculatorAgentConfig, quickstart_agent

@@ -16,7 +16,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from miles.core.types import SamplingParams
+from miles.core.contracts.types import SamplingParams
 from miles.sglang import protocol as wire
 from miles.sglang.host import EngineHost, Finished, NotServing, OnTokens
 from miles.sglang.protocol import BadRequest, GenerateItem

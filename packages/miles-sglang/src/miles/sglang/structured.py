@@ -1,5 +1,5 @@
 """Structured output for `miles serve`: the request's JSON schema, regex or grammar as a
-`TokenConstraint` (miles.core.types), built on llguidance (https://github.com/guidance-ai/llguidance).
+`TokenConstraint` (miles.core.contracts.types), built on llguidance (https://github.com/guidance-ai/llguidance).
 
 One request names at most one of:
   - OpenAI `response_format`: {"type": "text"} (no constraint), {"type": "json_object"} (any JSON
@@ -39,7 +39,7 @@ import llguidance
 import numpy as np
 import numpy.typing as npt
 
-from miles.core.types import TokenConstraint
+from miles.core.contracts.types import TokenConstraint
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
-from miles.core.weight_sync import Bucket
+from miles.core.contracts.weight_sync import Bucket
 from miles.torch.sync.ipc import IpcHandle, device_of
 
 # Positions in the arguments of `rebuild_cuda_tensor` (torch 2.x, as sglang patches them):

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from miles.core.protocols import Tokenizer
-from miles.core.types import GenerateResult, token_versions
+from miles.core.contracts.protocols import Tokenizer
+from miles.core.contracts.types import GenerateResult, token_versions
 from miles.sglang import chat_append
 from miles.sglang.chat_append import NotAppendable, Render, ids_of
 

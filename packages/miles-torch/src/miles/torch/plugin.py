@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from miles.core import Capability, ComponentSpec, Kind, hookimpl
-from miles.core.backends import RolloutSetup, TrainSetup
+from miles.core.contracts.backends import RolloutSetup, TrainSetup
 from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.engine.memory import torch_engine_memory
 from miles.torch.train.checks import fsdp_run_checks

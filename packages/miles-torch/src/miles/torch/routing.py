@@ -1,7 +1,7 @@
 """MoE routing replay in torch: record the experts the rollout engine chose, make the trainer
 use them.
 
-A model family's `RouterAdapter` (miles.core.family) knows two things about an architecture: where
+A model family's `RouterAdapter` (miles.core.contracts.family) knows two things about an architecture: where
 its routers are (one per MoE layer, in layer order) and how it turns router logits into gate
 weights for a given set of experts. Every transformers router we support returns `(logits,
 gate_weights, expert_indices)` for the flattened tokens of a forward; recording and replay are
@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from miles.core.config import ReplayMode
-from miles.core.families import family_of_config
-from miles.core.family import RouterAdapter
+from miles.core.registry.families import family_of_config
+from miles.core.contracts.family import RouterAdapter
 
 
 def router_adapter(model: Any, setting: str) -> RouterAdapter | None:

@@ -159,7 +159,7 @@ def make_trainer(
     precision defaults to fp32."""
     import dataclasses
 
-    from miles.core.backends import TrainSetup
+    from miles.core.contracts.backends import TrainSetup
     from miles.precision.dtype import fp32
     from miles.torch.train.config import FSDPConfig
     from miles.torch.train.fsdp import FSDPTrainer

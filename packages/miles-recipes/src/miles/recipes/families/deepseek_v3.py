@@ -17,7 +17,7 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
-from miles.core.family import (
+from miles.core.contracts.family import (
     Config,
     MegatronMapping,
     ModelFamily,

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from miles.core.family import Config, ModelFamily, Notice
+from miles.core.contracts.family import Config, ModelFamily, Notice
 from miles.recipes.families.deepseek_v4_config import (
     CSA,
     DEFAULTS,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from miles.core.family import Config
+from miles.core.contracts.family import Config
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"

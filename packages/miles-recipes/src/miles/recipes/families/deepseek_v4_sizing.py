@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
-from miles.core.family import Config, ModelShape, ParallelHints, ParamCounts
+from miles.core.contracts.family import Config, ModelShape, ParallelHints, ParamCounts
 from miles.recipes.families.deepseek_v4_config import (
     CSA,
     HCA,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from miles.core.family import Config, ModelFamily, ModelShape, Notice, ParallelHints
+from miles.core.contracts.family import Config, ModelFamily, ModelShape, Notice, ParallelHints
 from miles.recipes.families import deepseek_v3 as ds
 from miles.recipes.families.sizing import linear
 

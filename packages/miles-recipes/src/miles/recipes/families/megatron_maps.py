@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from miles.core.family import MegatronWeight
+from miles.core.contracts.family import MegatronWeight
 
 Split = Literal["column", "row"] | None
 Join = Literal["copy", "qkv", "gate_up"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from miles.core.family import (
+from miles.core.contracts.family import (
     Config,
     MegatronMapping,
     ModelFamily,

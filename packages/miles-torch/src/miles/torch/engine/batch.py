@@ -28,7 +28,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from miles.core.types import GenerateRequest
+from miles.core.contracts.types import GenerateRequest
 from miles.torch.engine.logits import LogitsProcessor, TopLogprobs
 from miles.torch.engine.sampler import SamplingTensors
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from miles.core.types import GenerateRequest, GenerateResult
+from miles.core.contracts.types import GenerateRequest, GenerateResult
 from miles.torch.engine.batch import Batch, Row
 from miles.torch.engine.logits import (
     LogitsProcessor,

@@ -30,7 +30,7 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
-from miles.core.types import GenerateRequest
+from miles.core.contracts.types import GenerateRequest
 from miles.torch.engine.sampler import SamplingTensors, sample, top_k_logprobs
 
 # (token id, logprob) pairs of one position, most likely first.

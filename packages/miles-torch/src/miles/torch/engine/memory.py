@@ -1,10 +1,10 @@
-"""What the planner counts for a `torch` rollout engine (see miles.core.memory)."""
+"""What the planner counts for a `torch` rollout engine (see miles.core.contracts.memory)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from miles.core.memory import GENERIC_ROLLOUT_ADVICE, RolloutBytes, RolloutInputs, engine
+from miles.core.contracts.memory import GENERIC_ROLLOUT_ADVICE, RolloutBytes, RolloutInputs, engine
 from miles.torch.engine.config import TorchEngineConfig
 
 

@@ -20,7 +20,7 @@ from math import inf
 
 import torch
 
-from miles.core.types import SamplingParams
+from miles.core.contracts.types import SamplingParams
 from miles.torch.engine import sample_kernel
 from miles.torch.int_hash import mix32
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from miles.core.types import GenerateRequest
+from miles.core.contracts.types import GenerateRequest
 from miles.torch.engine.logits import RowState
 
 # The most top logprobs a request may ask for (OpenAI's and vLLM's default bound).

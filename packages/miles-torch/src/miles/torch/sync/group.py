@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles.core.weight_sync import SyncPlan, TensorMeta
+from miles.core.contracts.weight_sync import SyncPlan, TensorMeta
 
 GROUP_NAME = "weight_update_group"  # SGLang's default group_name
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from miles.core.weight_sync import Bucket
+from miles.core.contracts.weight_sync import Bucket
 
 # Position of the device index in the arguments `reduce_tensor` returns for a CUDA tensor
 # (`rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, storage_device,

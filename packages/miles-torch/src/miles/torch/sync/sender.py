@@ -17,8 +17,8 @@ from typing import Literal
 
 import torch
 
-from miles.core.backends import BucketDelivery, TrainSetup
-from miles.core.weight_sync import SyncPlan, plan_buckets
+from miles.core.contracts.backends import BucketDelivery, TrainSetup
+from miles.core.contracts.weight_sync import SyncPlan, plan_buckets
 from miles.precision.lora import fold_adapters
 from miles.torch.sync import ipc
 from miles.torch.sync.checksum import Checksum, tensors_checksum

@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from miles.core.config import ReplayMode
-from miles.core.types import GenerateRequest
+from miles.core.contracts.types import GenerateRequest
 from miles.torch.engine.config import TorchEngineConfig
 from miles.torch.engine.logits import LogitsProcessor, add_prompt_logprobs, sample_rows, take
 from miles.torch.engine.paged import kv_cache

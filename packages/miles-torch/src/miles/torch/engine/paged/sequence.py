@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from miles.core.types import GenerateRequest
+from miles.core.contracts.types import GenerateRequest
 
 
 class Status(Enum):

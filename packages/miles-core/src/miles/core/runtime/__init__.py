@@ -1,1 +1,0 @@
-"""Ray orchestration: placement, the rollout manager and engines, the train group, the loop."""

@@ -1,0 +1,1 @@
+"""Miles runtime: the RL loop and its Ray orchestration, the memory planner, and `miles run`."""

@@ -1,0 +1,1 @@
+"""The Ray actors and their groups: train ranks (a backend each) and rollout engines."""

@@ -1,0 +1,1 @@
+"""Where actors run: placement groups and bundles, and process-level helpers (ports, Ray tokens)."""

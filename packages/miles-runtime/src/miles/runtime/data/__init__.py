@@ -1,0 +1,1 @@
+"""Prompt data: reading rows (JSONL, Parquet, hub datasets) and checking them before launch."""

@@ -1,0 +1,1 @@
+"""The GPU memory plan of a run, before anything starts."""
