@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from miles.core import Capability, ComponentSpec, Kind
 from miles.core.cli import cli
-from miles.core.types import Sample
+from miles.core.contracts.types import Sample
 from miles.plugin_kit.conformance import CHECKS, Case, CheckResult, check_reward, default_sample
 from miles.plugin_kit.scaffold import (
     RewardNames,

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 from miles.core.contracts.components import Capability
-from miles.core.registry.plugins import get_plugin_manager
-from miles.runtime.rollout.scoring import RewardScorer
 from miles.core.contracts.types import Sample, SampleStatus
+from miles.core.registry.plugins import get_plugin_manager
 from miles.rewards.configs import LLMJudgeConfig, RemoteRMConfig
 from miles.rewards.llm_judge import LLMJudge, parse_score
 from miles.rewards.remote_rm import RemoteRewardError, RemoteRM, RetryPolicy
+from miles.runtime.rollout.scoring import RewardScorer
 
 FAST = {"backoff_s": 0.01, "backoff_max_s": 0.02}  # retries without slowing the suite
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import click
 
-from miles.core.components import ComponentNotFoundError
-from miles.core.plugins import PluginManager, get_plugin_manager
+from miles.core.contracts.components import ComponentNotFoundError
+from miles.core.registry.plugins import PluginManager, get_plugin_manager
 
 
 def _lookup(manager: PluginManager, kind: str, name: str) -> Any:

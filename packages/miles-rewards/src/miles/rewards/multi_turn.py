@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from miles.core.contracts.components import Kind
 from miles.core.config import ComponentRef
 from miles.core.config.tools import ConfigError, build
-from miles.core.registry.factory import build_component
-from miles.core.registry.plugins import get_plugin_manager
+from miles.core.contracts.components import Kind
 from miles.core.contracts.protocols import Environment, PromptGroup, RolloutContext
 from miles.core.contracts.types import GenerateRequest, Sample, SampleStatus, token_versions
+from miles.core.registry.factory import build_component
+from miles.core.registry.plugins import get_plugin_manager
 
 
 @dataclass

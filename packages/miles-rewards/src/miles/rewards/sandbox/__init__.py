@@ -4,7 +4,8 @@ What is enforced, how, and the fallbacks where the system does not allow it: doc
 """
 
 from miles.rewards.sandbox.datatypes import SandboxLimits, SandboxResult, Status
-from miles.rewards.sandbox.runner import Sandbox, SandboxError, SandboxUnavailable, run_python
+from miles.rewards.sandbox.errors import SandboxError, SandboxUnavailable
+from miles.rewards.sandbox.runner import Sandbox, run_python
 
 __all__ = [
     "Sandbox",
