@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from miles.core.protocols import LossInputs
-from miles.core.types import PackedBatch
+from miles.core.contracts.protocols import LossInputs
+from miles.core.contracts.types import PackedBatch
 
 # Adam's large eps keeps the update smooth in the gradient; a linear LR schedule is stepped.
 CONFIG = dict(lr=1e-2, eps=1e-3, micro_batch_tokens=12, lr_schedule="linear", total_steps=4)

@@ -38,7 +38,7 @@ SEQ = 12
 
 
 def _config(family: str, overrides: list[str]) -> dict:
-    from miles.core.families import family_named
+    from miles.core.registry.families import family_named
 
     name, _, hub_id = family.partition("@")
     found = family_named(name)
@@ -101,7 +101,7 @@ def _case(
     from megatron.core import parallel_state
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from miles.core.families import family_named
+    from miles.core.registry.families import family_named
     from miles.megatron.convert import shard
     from miles.megatron.layout import ParallelLayout, Rank
     from miles.megatron.model import build_gpt_model, transformer_config

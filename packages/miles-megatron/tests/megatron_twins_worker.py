@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.core.protocols import LossInputs
-from miles.core.runtime.process import free_port
-from miles.core.types import GenerateRequest, PackedBatch, Sample, SamplingParams
+from miles.core.contracts.protocols import LossInputs
+from miles.core.contracts.types import GenerateRequest, PackedBatch, Sample, SamplingParams
 from miles.megatron.testing import make_trainer
 from miles.recipes import quickstart_task
+from miles.runtime.cluster.process import free_port
 from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.testing import sync_in_place
 
@@ -66,7 +66,7 @@ def _rollout(engine: TorchRolloutEngine, seed: int) -> PackedBatch:
 
 
 def _family(name: str, root: Path) -> dict[str, Any]:
-    from miles.core.families import family_named
+    from miles.core.registry.families import family_named
 
     model_dir = root / name
     quickstart_task.build_model(model_dir, 0, family=name)

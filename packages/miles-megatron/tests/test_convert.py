@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from miles.core.family import MegatronMapping
+from miles.core.contracts.family import MegatronMapping
 from miles.megatron.convert import Index, TensorSource, gather, hf_names, shard
 from miles.megatron.layout import ParallelLayout, Rank
 from miles.megatron.sources import SafetensorsSource
@@ -220,8 +220,8 @@ def test_what_megatron_cannot_express_in_deepseek_v3_is_listed() -> None:
 
 
 def test_kimi_k25_maps_its_language_model_as_deepseek_v3() -> None:
-    from miles.core.families import family_named
-    from miles.core.family import text_config
+    from miles.core.contracts.family import text_config
+    from miles.core.registry.families import family_named
 
     kimi = family_named("kimi_k25")
     config = kimi.tiny()  # type: ignore[misc]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.core.components import Kind
-from miles.core.plugins import get_plugin_manager
+from miles.core.contracts.components import Kind
+from miles.core.registry.plugins import get_plugin_manager
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.timeout(600)
@@ -91,8 +91,8 @@ def test_a_family_without_a_mapping_is_refused_with_what_megatron_core_lacks(
 def test_what_the_backend_declares_it_cannot_do_is_refused_by_the_run(tmp_path: Path) -> None:
     """A critic, LoRA and context parallelism: not among the backend's capabilities, so the
     run's own validation refuses them before launch, each with its key."""
-    from miles.core.configtools import ConfigError
-    from miles.core.runner import check_config
+    from miles.core.config.tools import ConfigError
+    from miles.runtime.runner import check_config
 
     data = {
         "model": {"path": str(tmp_path)},

@@ -61,8 +61,8 @@ def _local_cuda() -> bool:
 
 
 def _precision_problems(run: RunConfig) -> list[str]:
-    from miles.core.components import Capability, Kind
-    from miles.core.plugins import get_plugin_manager
+    from miles.core.contracts.components import Capability, Kind
+    from miles.core.registry.plugins import get_plugin_manager
 
     name = run.precision.name
     try:
@@ -82,8 +82,8 @@ def _precision_problems(run: RunConfig) -> list[str]:
 def _model_problems(run: RunConfig, config: MegatronConfig) -> list[str]:
     """The checkpoint's model against the layout, when its config.json is at hand (a local
     checkpoint, or a hub id whose family stores its config)."""
-    from miles.core.families import model_config
-    from miles.core.family import text_config
+    from miles.core.contracts.family import text_config
+    from miles.core.registry.families import model_config
 
     known = model_config(run.model.path) if run.model.path else None
     if known is None:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from miles.core.family import MegatronMapping, MegatronWeight
+from miles.core.contracts.family import MegatronMapping, MegatronWeight
 from miles.megatron.layout import ParallelLayout, Rank
 from miles.megatron.names import Spec, spec_names
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from miles.core.family import MegatronMapping
+from miles.core.contracts.family import MegatronMapping
 from miles.megatron.convert import gather, is_expert, local_names, split_by_layer
 from miles.megatron.layout import ParallelLayout, Rank
 

@@ -1,8 +1,8 @@
-"""What the planner counts for a `megatron` train rank (see miles.core.memory)."""
+"""What the planner counts for a `megatron` train rank (see miles.core.contracts.memory)."""
 
 from __future__ import annotations
 
-from miles.core.memory import TrainBytes, TrainInputs, model_parallel
+from miles.core.contracts.memory import TrainBytes, TrainInputs, model_parallel
 from miles.megatron.config import MegatronConfig
 
 # `miles.megatron.logprobs.CHUNK_ELEMENTS`, kept here without importing torch.

@@ -19,7 +19,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-from miles.core.family import MegatronMapping
+from miles.core.contracts.family import MegatronMapping
 from miles.megatron.attention import PackedCoreAttention
 from miles.megatron.layout import ParallelLayout
 from miles.megatron.rope import use_packed_rope

@@ -7,13 +7,17 @@ underlying storage to zero (after copying it out) keeps every view valid, as Meg
 `offload_grad_buffers` does, and restoring it (resize back, copy in) brings them all back.
 Gradient buffers are not copied: they are zeroed before every step anyway, so they come back as
 zeros. The pinned host buffers are kept from one sleep to the next (pinning is slow).
+`device_tensors` and `grad_buffers` are what a `MegatronTrainer` hands in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
+
+from miles.megatron.optimizer_state import adam_states
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -84,3 +88,20 @@ class HostOffload:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._kept, self._dropped = [], []
+
+
+def grad_buffers(ddp: Any) -> list[torch.Tensor]:
+    """DDP's gradient buffers (dense and expert): what a sleep drops rather than keeps."""
+    return [b.grad_data for b in [*ddp.buffers, *ddp.expert_parallel_buffers]]
+
+
+def device_tensors(ddp: Any, optimizer: Any) -> Iterator[torch.Tensor]:
+    """What a sleep keeps: the model's parameters and buffers, DDP's parameter buffers, and the
+    optimizer's main weights and device state."""
+    yield from ddp.module.parameters()
+    yield from ddp.module.buffers()
+    for buffer in [*ddp.buffers, *ddp.expert_parallel_buffers]:
+        if buffer.param_data is not None:
+            yield buffer.param_data
+    for opt_state in adam_states(optimizer, with_params=True):
+        yield from (v for v in opt_state.values() if isinstance(v, torch.Tensor) and v.is_cuda)

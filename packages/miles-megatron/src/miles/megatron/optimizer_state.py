@@ -32,6 +32,17 @@ def optimizers(optimizer: Any) -> list[Any]:
     return [optimizer]
 
 
+def adam_states(optimizer: Any, with_params: bool = False) -> Iterator[dict[str, Any]]:
+    """Every Adam state dict of the optimizer (and, with_params, {"param": main weight})."""
+    for opt in optimizers(optimizer):
+        for group in opt.optimizer.param_groups:
+            for main in group["params"]:
+                if with_params:
+                    yield {"param": main}
+                if main in opt.optimizer.state:
+                    yield opt.optimizer.state[main]
+
+
 def _pairs(opt: Any) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, range | None]]:
     """(model parameter, its main weight, the range of the flattened parameter it holds; None:
     the whole parameter)."""

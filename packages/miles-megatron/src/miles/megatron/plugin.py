@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from miles.core import Capability, ComponentSpec, Kind, hookimpl
-from miles.core.backends import TrainSetup
+from miles.core.contracts.backends import TrainSetup
 from miles.megatron.checks import megatron_run_checks
 from miles.megatron.config import MegatronConfig
 from miles.megatron.memory import megatron_memory

@@ -15,9 +15,12 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from miles.core.config import ReplayMode
+from miles.core.contracts.family import MegatronMapping
+from miles.megatron.layout import ParallelLayout
 
 
 @dataclass
@@ -89,3 +92,43 @@ class RoutingReplay:
                 self.stats.replayed += int(has.sum())
                 self.stats.matched += int((matched & has).sum())
         return probs, chosen
+
+
+def stage_routing_replay(
+    mode: ReplayMode, mapping: MegatronMapping, layout: ParallelLayout, pp_rank: int
+) -> RoutingReplay | None:
+    """The replay of this pipeline stage's routers (None: a dense model or stage): the record
+    holds a column per MoE layer of the whole model, and the stage's routers take theirs."""
+    if not RouterReplay.global_router_replay_instances:
+        return None
+    moe_layers = sorted(
+        {layer for w in mapping.weights if w.megatron.endswith("mlp.router.weight")
+         for layer in w.layers}
+    )  # fmt: skip
+    stage = layout.stage_layers(int(mapping.transformer["num_layers"]), pp_rank)
+    columns = [i for i, layer in enumerate(moe_layers) if layer in stage]
+    return RoutingReplay(mode, columns)
+
+
+def routing_metrics(
+    replay: RoutingReplay | None, tp_rank: int, world_size: int, device: torch.device
+) -> dict[str, float]:
+    """The stats since the last call, summed over the world (collective): "moe/routing_agreement",
+    "moe/replayed_tokens" and, when replaying, "moe/replayed_match"; {} without records."""
+    if replay is None:
+        return {}
+    s = replay.take_stats()
+    counts = torch.tensor(
+        [s.compared, s.agreed, s.replayed, s.matched], dtype=torch.float64, device=device
+    )
+    # Tensor ranks route the same tokens: count the first's; data ranks and stages add up.
+    counts *= float(tp_rank == 0)
+    if world_size > 1:
+        dist.all_reduce(counts)
+    compared, agreed, replayed, matched = counts.tolist()
+    if not compared:
+        return {}
+    metrics = {"moe/routing_agreement": agreed / compared, "moe/replayed_tokens": replayed}
+    if replay.mode != "off":
+        metrics["moe/replayed_match"] = matched / compared
+    return metrics

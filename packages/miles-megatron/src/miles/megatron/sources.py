@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from miles.core.family import MegatronMapping
+from miles.core.contracts.family import MegatronMapping
 from miles.megatron.convert import Index, TensorSource, WeightSource
 
 
@@ -52,7 +52,7 @@ class SafetensorsSource:
 
 def megatron_mapping(model_path: str) -> MegatronMapping:
     """The Megatron mapping of a local checkpoint, by its installed model family."""
-    from miles.core.families import family_of_config, read_config
+    from miles.core.registry.families import family_of_config, read_config
 
     config = read_config(model_path)
     if config is None:

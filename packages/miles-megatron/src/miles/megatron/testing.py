@@ -24,8 +24,8 @@ def make_trainer(
     through this module's shims, in fp32 by default."""
     import dataclasses
 
-    from miles.core.backends import TrainSetup
     from miles.core.config import ParallelConfig
+    from miles.core.contracts.backends import TrainSetup
     from miles.megatron.config import MegatronConfig
     from miles.megatron.trainer import MegatronTrainer
     from miles.precision.dtype import bf16, fp32
