@@ -27,11 +27,11 @@ import pytest
 import torch
 
 from miles.core.contracts.components import Kind
-from miles.core.registry.plugins import get_plugin_manager
 from miles.core.contracts.protocols import LossInputs
-from miles.runtime.cluster.process import free_port
 from miles.core.contracts.types import GenerateRequest, PackedBatch, Sample, SamplingParams
+from miles.core.registry.plugins import get_plugin_manager
 from miles.recipes import quickstart_task
+from miles.runtime.cluster.process import free_port
 from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.testing import make_trainer, sync_in_place
 

@@ -57,8 +57,8 @@ def test_show_prints_the_resolved_config() -> None:
 
 def test_plan_every_frontier_recipe_fits_its_cluster_and_not_a_smaller_gpu() -> None:
     from miles.core.contracts.components import Kind
-    from miles.runtime.planning.planner import plan
     from miles.core.registry.plugins import get_plugin_manager
+    from miles.runtime.planning.planner import plan
 
     manager = get_plugin_manager()
     for name in FRONTIER:

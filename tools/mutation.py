@@ -59,7 +59,7 @@ TARGETS = {
     ),
     "sync": Target(
         ("miles-core", "miles-torch"),
-        ("miles/core/weight_sync.py", "miles/torch/sync/checksum.py"),
+        ("miles/core/contracts/weight_sync.py", "miles/torch/sync/checksum.py"),
         (
             "packages/miles-torch/tests/test_sync_ipc.py",
             "packages/miles-torch/tests/test_sync_plan_checksum.py",
@@ -67,19 +67,19 @@ TARGETS = {
         "weight-sync bucket planning and tensor checksums",
     ),
     "ledger": Target(
-        ("miles-core",),
-        ("miles/core/runtime/ledger.py", "miles/core/runtime/buffer.py"),
+        ("miles-core", "miles-runtime"),
+        ("miles/runtime/rollout/ledger.py", "miles/runtime/rollout/buffer.py"),
         (
-            "packages/miles-core/tests/test_buffer.py",
-            "packages/miles-core/tests/test_batch_buffer.py",
-            "packages/miles-core/tests/test_ledger.py",
+            "packages/miles-runtime/tests/test_buffer.py",
+            "packages/miles-runtime/tests/test_batch_buffer.py",
+            "packages/miles-runtime/tests/test_ledger.py",
         ),
         "the sample ledger and the rollout buffer policies",
     ),
     "weight_updates": Target(
-        ("miles-core",),
-        ("miles/core/runtime/weight_updates.py",),
-        ("packages/miles-core/tests/test_weight_updates.py",),
+        ("miles-core", "miles-runtime"),
+        ("miles/runtime/loop/weight_updates.py",),
+        ("packages/miles-runtime/tests/test_weight_updates.py",),
         "the weight updater: sync order, redone syncs, checksum verification",
     ),
 }

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
+from miles.agents.api import AgentOutcome, AgentRolloutConfig, AgentSession
+from miles.agents.calculator import calculator
+from miles.agents.rollout import AgentRollout
 from miles.core.contracts.protocols import PromptGroup
 from miles.core.contracts.types import GenerateRequest, GenerateResult, SampleStatus, SamplingParams
-from miles.sglang.agent_rollout import AgentRollout
-from miles.sglang.agents import AgentOutcome, AgentRolloutConfig, AgentSession
-from miles.sglang.calculator_agent import calculator
 
 # End-to-end runs: each test's own time limit (the suite's default is for unit tests).
 pytestmark = pytest.mark.timeout(1200)

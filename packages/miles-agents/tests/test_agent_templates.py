@@ -13,12 +13,18 @@ from typing import Any
 
 import pytest
 
+from miles.agents.api import AgentOutcome, AgentRolloutConfig, AgentSession
+from miles.agents.rollout import AgentRollout
 from miles.core.contracts.protocols import PromptGroup
+from miles.core.contracts.types import (
+    GenerateRequest,
+    GenerateResult,
+    Sample,
+    SampleStatus,
+    SamplingParams,
+)
 from miles.runtime.rollout.ledger import SampleLedger
 from miles.runtime.rollout.rollout_metrics import agent_metrics
-from miles.core.contracts.types import GenerateRequest, GenerateResult, Sample, SampleStatus, SamplingParams
-from miles.sglang.agent_rollout import AgentRollout
-from miles.sglang.agents import AgentOutcome, AgentRolloutConfig, AgentSession
 
 THINK = "<think>\nthe tool knows\n</think>\n\n"
 TOOL_TURN = (

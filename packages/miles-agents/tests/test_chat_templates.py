@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from miles.agents.trajectory import Diverged, Trajectory
 from miles.core.contracts.types import GenerateResult
-from miles.sglang.trajectory import Diverged, Trajectory
 
 OFF = {"enable_thinking": False}
 CALL, RESULT, ANSWER = "max 3 7", "7", "7"

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles.core.contracts.components import Capability, Kind
 from miles.core.config import ComponentRef
 from miles.core.config.tools import ConfigError
+from miles.core.contracts.components import Capability, Kind
 from miles.core.registry.factory import build_component
 from miles.core.registry.plugins import get_plugin_manager
 from miles.losses.advantages import (

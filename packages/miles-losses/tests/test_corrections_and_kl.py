@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles.core.contracts.components import Kind
 from miles.core.config import ComponentRef
 from miles.core.config.tools import ConfigError
+from miles.core.contracts.components import Kind
 from miles.core.registry.factory import build_component
 from miles.losses.configs import IcePopConfig, MISConfig, TISConfig
 from miles.losses.corrections import MIS, TIS, IcePop

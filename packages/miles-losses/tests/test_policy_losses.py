@@ -8,13 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles.core.contracts.algorithm import loss_weights
-from miles.core.contracts.components import Kind
 from miles.core.config import ComponentRef
 from miles.core.config.tools import ConfigError
-from miles.core.registry.factory import build_component
+from miles.core.contracts.algorithm import loss_weights
+from miles.core.contracts.components import Kind
 from miles.core.contracts.protocols import LossInputs, PolicyLoss
 from miles.core.contracts.types import PackedBatch
+from miles.core.registry.factory import build_component
 from miles.losses.configs import CISPOConfig, GSPOConfig, PPOClipConfig, ValueConfig
 from miles.losses.policy import CISPOLoss, GSPOLoss, PPOClipLoss, ValueLoss
 

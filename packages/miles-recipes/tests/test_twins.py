@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from miles.core.contracts.components import Kind
-from miles.core.registry.plugins import get_plugin_manager
 from miles.core.contracts.types import GenerateRequest, SamplingParams
+from miles.core.registry.plugins import get_plugin_manager
 from miles.recipes.twins import write_twin
 from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.models import load_causal_lm

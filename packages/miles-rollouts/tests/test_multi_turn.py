@@ -11,8 +11,8 @@ import torch
 
 from miles.core.contracts.protocols import EnvStep, PromptGroup
 from miles.core.contracts.types import GenerateRequest, GenerateResult, SamplingParams
-from miles.rewards.environments import Calculator, CalculatorConfig, safe_arithmetic
-from miles.rewards.multi_turn import MultiTurn, MultiTurnConfig
+from miles.rollouts.environments import Calculator, CalculatorConfig, safe_arithmetic
+from miles.rollouts.multi_turn import MultiTurn, MultiTurnConfig
 
 
 class _Ctx:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from miles.core.contracts.types import GenerateRequest, GenerateResult, SamplingParams
-from miles.sglang.host import EngineHost, Finished
+from miles.serve.host import EngineHost, Finished
 
 
 class HeldEngine:

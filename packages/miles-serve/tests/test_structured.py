@@ -1,4 +1,4 @@
-"""Structured output (miles.sglang.structured) without the engine: a driver loop samples random
+"""Structured output (miles.serve.structured) without the engine: a driver loop samples random
 tokens among those the constraint's bitmask allows, until the constraint is finished."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from miles.core.contracts.types import TokenConstraint
-from miles.sglang.structured import GrammarConstraint, compile_constraint, lltokenizer_for
+from miles.serve.structured import GrammarConstraint, compile_constraint, lltokenizer_for
 from miles.torch.testing import make_tokenizer
 
 SCHEMA: dict[str, Any] = {

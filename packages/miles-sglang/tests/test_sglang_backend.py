@@ -222,7 +222,7 @@ def test_async_partial_rollouts_through_the_server(quickstart_model, tmp_path, s
     # max_staleness 1 that is every other step (batches 2 and 4 of 6). Timing alone did not make
     # the cut certain (CI on 6e65f1c: no sample spanned an update): the random model ends most
     # answers after about 10 tokens, and the cut requests had no token yet. So the test server
-    # (slow_serve.py) decodes one token per 100 ms step and runs every answer to max_new_tokens
+    # (miles.serve.testing.slow_engine) decodes one token per 100 ms step and runs every answer to max_new_tokens
     # (full_length, as SGLang's ignore_eos): a batch generates for 3.2 s at least, longer than a
     # train step and a sync, and a request has its first token one step after it arrives.
     server = start_server(

@@ -19,7 +19,13 @@ import torch
 from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
-from miles.core.contracts.types import GenerateRequest, GenerateResult, PackedBatch, Sample, SamplingParams
+from miles.core.contracts.types import (
+    GenerateRequest,
+    GenerateResult,
+    PackedBatch,
+    Sample,
+    SamplingParams,
+)
 from miles.torch.engine.engine import TorchRolloutEngine
 from miles.torch.testing import make_tokenizer, tiny_config
 

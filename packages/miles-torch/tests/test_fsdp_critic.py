@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from miles.core.contracts.protocols import LossInputs
-from miles.runtime.cluster.process import free_port
 from miles.core.contracts.types import PackedBatch, Sample
+from miles.runtime.cluster.process import free_port
 from miles.torch.testing import make_tiny_model
 from miles.torch.train.config import FSDPConfig
 from miles.torch.train.fsdp import FSDPTrainer

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from miles.runtime.cluster.process import free_port
 from miles.core.contracts.types import PackedBatch, Sample
+from miles.runtime.cluster.process import free_port
 from miles.torch.testing import make_tiny_model
 from miles.torch.train.microbatch import plan_micro_batches
 

@@ -6,7 +6,7 @@ OpenAI-compatible base URL, and the run trains on the exact tokens of every call
 
 Per sample, the agent gets an `AgentSession` (its own base URL, the dataset row, the model name)
 and returns its reward (or an `AgentOutcome`; `None` leaves scoring to `reward:`). The gateway
-(`miles.sglang.gateway`) serves the base URL from the rollout process and records each call; the
+(`miles.agents.gateway`) serves the base URL from the rollout process and records each call; the
 sample is the first call's prompt, then every later token: generated tokens with their logprobs
 and weight versions (loss mask 1), everything the agent added (loss mask 0). Nothing the model
 generated is re-tokenized. The agent's reward lands in `metadata["env_reward"]`, which reward
@@ -23,9 +23,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.core.contracts.components import Kind
 from miles.core.config import ComponentRef
 from miles.core.config.tools import ConfigError, build
+from miles.core.contracts.components import Kind
 from miles.core.registry.plugins import get_plugin_manager
 
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles.agents.api import AgentOutcome, AgentSession
 from miles.core.config import RunConfig
 from miles.core.contracts.recipe import Recipe
 from miles.recipes.quickstart import CONFIG as QUICKSTART
 from miles.recipes.quickstart import twin_config
-from miles.sglang.agents import AgentOutcome, AgentSession
 
 TOOL = "max"
 

@@ -28,13 +28,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from miles.agents.trajectory import Diverged, Trajectory
 from miles.core.contracts.protocols import RolloutContext, Tokenizer
 from miles.core.contracts.types import GenerateRequest, GenerateResult
 from miles.sglang import openai
 from miles.sglang import protocol as wire
 from miles.sglang.openai_chunks import finished_stream
 from miles.sglang.protocol import BadRequest
-from miles.sglang.trajectory import Diverged, Trajectory
 
 
 class _NoSession(LookupError):

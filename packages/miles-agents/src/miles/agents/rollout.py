@@ -1,4 +1,4 @@
-"""Rollout function `agent` (see `miles.sglang.agents`): each sample is one episode of the
+"""Rollout function `agent` (see `miles.agents.api`): each sample is one episode of the
 configured agent against its own base URL on the gateway, and the sample is the gateway's record
 of the episode's calls."""
 
@@ -9,14 +9,14 @@ import inspect
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from miles.core.contracts.components import Kind
+from miles.agents.api import Agent, AgentOutcome, AgentRolloutConfig, AgentSession
+from miles.agents.gateway import AgentGateway
+from miles.agents.trajectory import Trajectory
 from miles.core.config import ComponentRef
-from miles.core.registry.factory import build_component
+from miles.core.contracts.components import Kind
 from miles.core.contracts.protocols import PromptGroup, RolloutContext
 from miles.core.contracts.types import Sample, SampleStatus
-from miles.sglang.agents import Agent, AgentOutcome, AgentRolloutConfig, AgentSession
-from miles.sglang.gateway import AgentGateway
-from miles.sglang.trajectory import Trajectory
+from miles.core.registry.factory import build_component
 
 
 class AgentRollout:

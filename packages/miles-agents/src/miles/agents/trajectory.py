@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from miles.agents import chat_append
+from miles.agents.chat_append import NotAppendable, Render, ids_of
 from miles.core.contracts.protocols import Tokenizer
 from miles.core.contracts.types import GenerateResult, token_versions
-from miles.sglang import chat_append
-from miles.sglang.chat_append import NotAppendable, Render, ids_of
 
 
 class Diverged(ValueError):

@@ -2,7 +2,7 @@
 
 These are the commands of a minimal install: plugins, components and recipes. Plugins add the
 others through the ``miles_register_commands`` hook: `miles run` and `miles recipes plan` come
-with miles-runtime, `miles serve` with miles-sglang, `miles report` with miles-report.
+with miles-runtime, `miles serve` with miles-serve, `miles report` with miles-report.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ _COMMANDS_ELSEWHERE = {
     "run": "comes with miles-runtime, which the default backends bring: "
     f"pip install {EMBEDDED_DEFAULTS}",
     "recipes plan": "comes with miles-runtime (the memory planner): pip install miles-runtime",
-    "serve": "comes with miles-sglang: pip install miles-sglang",
+    "serve": "comes with miles-serve: pip install miles-serve",
     "report": "comes with miles-report: pip install miles-report",
 }
 

@@ -28,9 +28,9 @@ import structlog
 
 from miles.core.cache import cache_dir
 from miles.core.config import RunConfig, parse
-from miles.runtime.planning.gpu_memory import local_gpu_memory_gb
 from miles.core.contracts.recipe import Recipe
 from miles.recipes import arithmetic
+from miles.runtime.planning.gpu_memory import local_gpu_memory_gb
 
 log = structlog.get_logger(__name__)
 

@@ -16,8 +16,8 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from miles.core.registry.families import family_named
 from miles.core.contracts.family import ModelFamily
+from miles.core.registry.families import family_named
 from miles.recipes.words import IM_END, PAD, build_tokenizer, vocabulary
 
 

@@ -17,7 +17,6 @@ from miles.rewards.configs import (
 )
 from miles.rewards.countdown import Countdown
 from miles.rewards.env_reward import EnvReward, EnvRewardConfig
-from miles.rewards.environments import Calculator, CalculatorConfig
 from miles.rewards.exact_match import ExactMatch, ExactMatchConfig
 from miles.rewards.filters import (
     DropFailed,
@@ -31,10 +30,8 @@ from miles.rewards.format import Format
 from miles.rewards.gsm8k import GSM8K
 from miles.rewards.llm_judge import LLMJudge
 from miles.rewards.math import MathVerify
-from miles.rewards.multi_turn import MultiTurn, MultiTurnConfig
 from miles.rewards.overlong import Overlong
 from miles.rewards.remote_rm import RemoteRM
-from miles.rewards.single_turn import SingleTurn, SingleTurnConfig
 
 
 @hookimpl
@@ -139,38 +136,5 @@ def miles_register_filters() -> Iterable[ComponentSpec]:
             Length,
             "keep responses within a token-length range; optionally drop truncated ones",
             LengthConfig,
-        ),
-    ]
-
-
-@hookimpl
-def miles_register_rollout_functions() -> Iterable[ComponentSpec]:
-    return [
-        ComponentSpec(
-            Kind.ROLLOUT_FUNCTION,
-            "single_turn",
-            SingleTurn,
-            "one prompt, n independent responses (the default)",
-            SingleTurnConfig,
-        ),
-        ComponentSpec(
-            Kind.ROLLOUT_FUNCTION,
-            "multi_turn",
-            MultiTurn,
-            "model turns and environment observations; observations are never trained on",
-            MultiTurnConfig,
-        ),
-    ]
-
-
-@hookimpl
-def miles_register_environments() -> Iterable[ComponentSpec]:
-    return [
-        ComponentSpec(
-            Kind.ENVIRONMENT,
-            "calculator",
-            Calculator,
-            "arithmetic tool: <calc>expr</calc> returns the value, <answer>x</answer> ends",
-            CalculatorConfig,
         ),
     ]

@@ -122,8 +122,8 @@ def serve(
     import torch
     import uvicorn
 
+    from miles.serve.server import ServeSettings, build_app
     from miles.sglang.serve_keys import LOOPBACK, write_key
-    from miles.sglang.server import ServeSettings, build_app
     from miles.torch.engine.engine import TorchRolloutEngine
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

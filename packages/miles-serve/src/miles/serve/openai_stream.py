@@ -18,12 +18,12 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from miles.serve.host import Finished
+from miles.serve.serving import Progress, ServeState, answer, submit
 from miles.sglang import openai
-from miles.sglang.host import Finished
 from miles.sglang.openai import Choice, OpenAIRequest
 from miles.sglang.openai_chunks import hold_back
 from miles.sglang.protocol import GenerateItem
-from miles.sglang.serving import Progress, ServeState, answer, submit
 
 
 @dataclass

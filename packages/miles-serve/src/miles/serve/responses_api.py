@@ -15,9 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from miles.sglang import protocol as wire
-from miles.sglang.protocol import BadRequest, GenerateItem, check_fields
-from miles.sglang.serving import (
+from miles.serve.serving import (
     ServeState,
     answer,
     chat_prompt,
@@ -28,6 +26,8 @@ from miles.sglang.serving import (
     read_body,
     submit,
 )
+from miles.sglang import protocol as wire
+from miles.sglang.protocol import BadRequest, GenerateItem, check_fields
 
 RESPONSES_FIELDS: dict[str, tuple[type | None, ...]] = {
     "model": (str, None),

@@ -10,10 +10,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from miles.sglang import protocol as wire
-from miles.sglang.protocol import BadRequest
-from miles.sglang.routes_weights import add_group_routes, add_load_routes
-from miles.sglang.serving import (
+from miles.serve.routes_weights import add_group_routes, add_load_routes
+from miles.serve.serving import (
     SGLANG_PROTOCOL,
     ServeState,
     error,
@@ -21,6 +19,8 @@ from miles.sglang.serving import (
     parse_json,
     read_body,
 )
+from miles.sglang import protocol as wire
+from miles.sglang.protocol import BadRequest
 
 
 def add_admin_routes(app: FastAPI, state: ServeState) -> None:

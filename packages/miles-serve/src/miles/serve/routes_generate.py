@@ -7,10 +7,8 @@ import asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from miles.sglang import protocol as wire
-from miles.sglang.host import NotServing, QueueFull
-from miles.sglang.protocol import BadRequest, GenerateItem
-from miles.sglang.serving import (
+from miles.serve.host import NotServing, QueueFull
+from miles.serve.serving import (
     Progress,
     ServeState,
     answer,
@@ -22,6 +20,8 @@ from miles.sglang.serving import (
     stream_answer,
     submit,
 )
+from miles.sglang import protocol as wire
+from miles.sglang.protocol import BadRequest, GenerateItem
 
 
 def add_generation_routes(app: FastAPI, state: ServeState) -> None:

@@ -12,12 +12,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from miles.sglang import openai
-from miles.sglang import protocol as wire
-from miles.sglang.openai import Choice, OpenAIRequest
-from miles.sglang.openai_stream import stream_choices
-from miles.sglang.protocol import BadRequest, GenerateItem, NotFound, check_fields
-from miles.sglang.serving import (
+from miles.serve.openai_stream import stream_choices
+from miles.serve.serving import (
     ServeState,
     answer,
     chat_prompt,
@@ -28,6 +24,10 @@ from miles.sglang.serving import (
     read_body,
     submit,
 )
+from miles.sglang import openai
+from miles.sglang import protocol as wire
+from miles.sglang.openai import Choice, OpenAIRequest
+from miles.sglang.protocol import BadRequest, GenerateItem, NotFound, check_fields
 
 SCORE_FIELDS: dict[str, tuple[type | None, ...]] = {
     "model": (str, None),

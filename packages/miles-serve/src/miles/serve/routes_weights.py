@@ -10,17 +10,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from miles.sglang import protocol as wire
-from miles.sglang.protocol import BadRequest
-from miles.sglang.serving import (
+from miles.serve.serving import (
     ServeState,
     fail,
     ok,
     read_body,
 )
+from miles.serve.weight_lane import DeadlineExceeded, LaneBusy
+from miles.serve.weights import UpdateGroup, check_update, safetensors_weights
+from miles.sglang import protocol as wire
+from miles.sglang.protocol import BadRequest
 from miles.sglang.tensors import PayloadRefused, load_named_tensors
-from miles.sglang.weight_lane import DeadlineExceeded, LaneBusy
-from miles.sglang.weights import UpdateGroup, check_update, safetensors_weights
 
 
 def add_group_routes(app: FastAPI, state: ServeState) -> None:

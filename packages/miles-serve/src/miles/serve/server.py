@@ -22,21 +22,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from miles.sglang.host import EngineHost, NotServing, QueueFull
-from miles.sglang.protocol import BadRequest, NotFound
-from miles.sglang.responses_api import add_responses_route
-from miles.sglang.routes_admin import add_admin_routes
-from miles.sglang.routes_generate import add_generation_routes
-from miles.sglang.routes_openai import add_openai_routes
-from miles.sglang.serve_keys import LOOPBACK
-from miles.sglang.serving import (
+from miles.serve.host import EngineHost, NotServing, QueueFull
+from miles.serve.responses_api import add_responses_route
+from miles.serve.routes_admin import add_admin_routes
+from miles.serve.routes_generate import add_generation_routes
+from miles.serve.routes_openai import add_openai_routes
+from miles.serve.serving import (
     BodyTooLarge,
     ServeSettings,
     ServeState,
     error,
     fail,
 )
-from miles.sglang.weight_lane import DeadlineExceeded, LaneBusy, WeightLane
+from miles.serve.weight_lane import DeadlineExceeded, LaneBusy, WeightLane
+from miles.sglang.protocol import BadRequest, NotFound
+from miles.sglang.serve_keys import LOOPBACK
 from miles.torch.engine.loader import eos_token_ids
 
 __all__ = ["ServeSettings", "build_app"]

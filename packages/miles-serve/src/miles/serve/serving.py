@@ -17,12 +17,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from miles.core.contracts.types import SamplingParams
+from miles.serve.host import EngineHost, Finished, NotServing, OnTokens
+from miles.serve.structured import compile_constraint
+from miles.serve.weight_lane import WeightLane
+from miles.serve.weights import UpdateGroup
 from miles.sglang import protocol as wire
-from miles.sglang.host import EngineHost, Finished, NotServing, OnTokens
 from miles.sglang.protocol import BadRequest, GenerateItem
-from miles.sglang.structured import compile_constraint
-from miles.sglang.weight_lane import WeightLane
-from miles.sglang.weights import UpdateGroup
 
 # The SGLang release whose protocol this server follows (what /get_server_info reports).
 SGLANG_PROTOCOL = "0.5"

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from miles.serve.store_deadline import within_deadline
 from miles.sglang.protocol import BadRequest
-from miles.sglang.store_deadline import within_deadline
 from miles.torch.sync.group import broadcast_from_rank0, close_group
 
 _DTYPES = {

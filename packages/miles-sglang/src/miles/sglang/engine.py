@@ -102,7 +102,7 @@ def _message(err: urllib.error.HTTPError) -> str:
 
 
 class SGLangEngine:
-    """A `miles.core.contracts.protocols.RolloutEngine` over one SGLang server."""
+    """A `miles.core.contracts.backends.RolloutEngine` over one SGLang server."""
 
     def __init__(self, config: SGLangConfig, setup: RolloutSetup) -> None:
         self.server: LaunchedServer | None = None

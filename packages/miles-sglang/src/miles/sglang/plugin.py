@@ -1,6 +1,5 @@
-"""miles-sglang's plugin module: `miles serve` on the command line, rollout backend `sglang`
-(attached to running SGLang or `miles serve` servers), rollout function `agent` (agents over the
-OpenAI API) with the example agent `calculator`, and recipe `quickstart-agent`."""
+"""miles-sglang's plugin module: rollout backend `sglang` (attached to running SGLang or `miles
+serve` servers, or launching its own)."""
 
 from __future__ import annotations
 
@@ -8,15 +7,10 @@ import importlib.util
 from collections.abc import Iterable
 from typing import Any
 
-import click
-
 from miles.core import hookimpl
+from miles.core.config import RunConfig
 from miles.core.contracts.backends import RolloutSetup
 from miles.core.contracts.components import Capability, ComponentSpec, Kind
-from miles.core.config import RunConfig
-from miles.sglang.agents import AgentRolloutConfig
-from miles.sglang.calculator_agent import CalculatorAgent, CalculatorAgentConfig, quickstart_agent
-from miles.sglang.command import serve
 from miles.sglang.config import MIN_SGLANG, SGLangConfig
 
 
@@ -24,12 +18,6 @@ def make_engine(config: SGLangConfig, setup: RolloutSetup) -> Any:
     from miles.sglang.engine import SGLangEngine
 
     return SGLangEngine(config, setup)
-
-
-def make_agent_rollout(config: AgentRolloutConfig) -> Any:
-    from miles.sglang.agent_rollout import AgentRollout
-
-    return AgentRollout(config)
 
 
 def sglang_run_checks(run: RunConfig, config: SGLangConfig) -> list[str]:
@@ -42,6 +30,11 @@ def sglang_run_checks(run: RunConfig, config: SGLangConfig) -> list[str]:
                 f"{MIN_SGLANG}); or launch `miles serve` servers instead (--set "
                 "rollout.server=miles); or attach to running servers, one per engine (--set "
                 "'rollout.urls=[http://127.0.0.1:30000]' after `miles serve MODEL --port 30000`)"
+            ]
+        if config.server == "miles" and importlib.util.find_spec("miles.serve") is None:
+            return [
+                "rollout.server: miles launches a `miles serve` server per engine, and miles-serve "
+                "is not installed here: pip install miles-serve (or pip install 'miles-sglang[miles]')"
             ]
         return []
     if len(config.urls) != run.rollout.engines:
@@ -70,46 +63,3 @@ def miles_register_rollout_backends() -> Iterable[ComponentSpec]:
             check=sglang_run_checks,
         )
     ]
-
-
-@hookimpl
-def miles_register_rollout_functions() -> Iterable[ComponentSpec]:
-    return [
-        ComponentSpec(
-            Kind.ROLLOUT_FUNCTION,
-            "agent",
-            make_agent_rollout,
-            "an agent (rollout.function.agent) over an OpenAI base URL; trains on its exact tokens",
-            AgentRolloutConfig,
-        )
-    ]
-
-
-@hookimpl
-def miles_register_agents() -> Iterable[ComponentSpec]:
-    return [
-        ComponentSpec(
-            Kind.AGENT,
-            "calculator",
-            CalculatorAgent,
-            "example: calls a `max` calculator tool over the chat API, then answers",
-            CalculatorAgentConfig,
-        )
-    ]
-
-
-@hookimpl
-def miles_register_recipes() -> Iterable[ComponentSpec]:
-    return [
-        ComponentSpec(
-            Kind.RECIPE,
-            "quickstart-agent",
-            quickstart_agent,
-            "the quickstart task as a tool-using agent over the OpenAI chat API, on a CPU",
-        )
-    ]
-
-
-@hookimpl
-def miles_register_commands(cli: click.Group) -> None:
-    cli.add_command(serve)

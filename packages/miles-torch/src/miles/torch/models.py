@@ -13,8 +13,8 @@ from typing import Any
 import structlog
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from miles.core.registry.families import family_of_config, read_config
 from miles.core.contracts.family import Config, ModelFamily, quantization_config
+from miles.core.registry.families import family_of_config, read_config
 from miles.torch.gguf import converted_checkpoint, is_gguf
 
 log = structlog.get_logger(__name__)

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from miles.core.config import ReplayMode
-from miles.core.registry.families import family_of_config
 from miles.core.contracts.family import RouterAdapter
+from miles.core.registry.families import family_of_config
 
 
 def router_adapter(model: Any, setting: str) -> RouterAdapter | None:

@@ -38,7 +38,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 @hookspec
 def miles_register_rollout_backends() -> Iterable[ComponentSpec]:
     """Rollout engines (``rollout.backend``): factory(config, setup) builds one engine satisfying
-    :class:`miles.core.contracts.protocols.RolloutEngine` from its options and a
+    :class:`miles.core.contracts.backends.RolloutEngine` from its options and a
     :class:`~miles.core.contracts.protocols.RolloutSetup`. The spec declares capabilities and a rollout
     memory model."""
 
@@ -46,7 +46,7 @@ def miles_register_rollout_backends() -> Iterable[ComponentSpec]:
 @hookspec
 def miles_register_train_backends() -> Iterable[ComponentSpec]:
     """Train backends (``train.backend``): factory(config, setup) builds one rank satisfying
-    :class:`miles.core.contracts.protocols.TrainBackend` from its options and a
+    :class:`miles.core.contracts.backends.TrainBackend` from its options and a
     :class:`~miles.core.contracts.protocols.TrainSetup`. The spec declares capabilities (parallelism, critic,
     colocation...) and a train memory model."""
 
@@ -104,7 +104,7 @@ def miles_register_corrections() -> Iterable[ComponentSpec]:
 
 @hookspec
 def miles_register_precisions() -> Iterable[ComponentSpec]:
-    """Precisions (``precision``): factory() builds a :class:`miles.core.contracts.protocols.Precision`, one
+    """Precisions (``precision``): factory() builds a :class:`miles.core.contracts.backends.Precision`, one
     object that converts the training model and the weights sent to rollout engines alike. The
     spec declares a precision memory model (bytes per element), and ``quantized`` for a weight
     format of its own."""

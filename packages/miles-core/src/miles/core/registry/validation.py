@@ -27,7 +27,7 @@ log = structlog.get_logger(__name__)
 
 # The embedded default stack the config's defaults name (torch, fsdp, single_turn, exact_match,
 # grpo, ppo_clip, fp32), for the hint when a default is missing from a minimal install.
-EMBEDDED_DEFAULTS = "miles-torch miles-rewards miles-losses miles-precision"
+EMBEDDED_DEFAULTS = "miles-torch miles-rollouts miles-rewards miles-losses miles-precision"
 
 
 @dataclass

@@ -19,7 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from miles.core.contracts.family import Config, ModelFamily, ModelShape, Notice, ParallelHints, ParamCounts
+from miles.core.contracts.family import (
+    Config,
+    ModelFamily,
+    ModelShape,
+    Notice,
+    ParallelHints,
+    ParamCounts,
+)
 from miles.recipes.families.qwen3 import aux_loss_notices, quantization_notices, with_defaults
 from miles.recipes.families.routers import SoftmaxTopKRouter
 from miles.recipes.families.sizing import embeddings, linear, moe_act, swiglu, swiglu_act

@@ -18,8 +18,8 @@ import structlog
 import torch
 from transformers import DynamicCache
 
-from miles.core.contracts.backends import Precision
 from miles.core.config import LoRAConfig, ReplayMode
+from miles.core.contracts.backends import Precision
 from miles.core.contracts.types import GenerateRequest, GenerateResult
 from miles.core.contracts.weight_sync import SyncPlan
 from miles.precision.lora import AdapterApplier
@@ -53,7 +53,7 @@ def _runs(request: GenerateRequest) -> bool:
 
 
 class TorchRolloutEngine:
-    """A `miles.core.contracts.protocols.RolloutEngine` running a Hugging Face causal LM in-process.
+    """A `miles.core.contracts.backends.RolloutEngine` running a Hugging Face causal LM in-process.
 
     Pausing: `pause()` makes a running `generate` stop at its next step and yield every unfinished
     request (queued ones included) with finish_reason "abort" and the tokens made so far; a new

@@ -14,8 +14,8 @@ from typing import Any
 import structlog
 import torch
 
-from miles.core.contracts.backends import Precision
 from miles.core.config import LoRAConfig
+from miles.core.contracts.backends import Precision
 from miles.core.contracts.weight_sync import SyncPlan
 from miles.torch.models import load_causal_lm
 from miles.torch.sync import ipc
