@@ -208,3 +208,31 @@ def test_the_contracts_never_import_the_runtime() -> None:
         if target == "miles.runtime" or target.startswith("miles.runtime.")
     ]
     assert not bad, "\n".join(bad)
+
+
+def _moved_paths() -> set[str]:
+    """The old module paths miles-core keeps working with a DeprecationWarning (`_moved.py`),
+    read from its source."""
+    tree = ast.parse((ROOT / "packages/miles-core/src/miles/core/_moved.py").read_text())
+    old: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.value, ast.Dict):
+            old |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+    return old
+
+
+def test_no_source_imports_a_deprecated_path() -> None:
+    """The deprecated paths are for plugins written before the move; Miles' own code (src and
+    tests) uses the new ones."""
+    moved = _moved_paths()
+    assert "miles.core.types" in moved and "miles.core.runtime.controller" in moved
+    files = [*MODULES.items()]
+    files += [(p.stem, p) for p in ROOT.glob("packages/*/tests/**/*.py")]
+    files += [(p.stem, p) for p in ROOT.glob("tests/*.py")] + [("conftest", ROOT / "conftest.py")]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} {target}"
+        for name, path in files
+        for target, line in _imports(name, path)
+        if target in moved
+    ]
+    assert not bad, "imports of deprecated paths:\n" + "\n".join(bad)

@@ -126,7 +126,7 @@ def gather_optimizer(
 
 
 def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, file: Path) -> None:
-    """Replace `optimizer`'s state by that in `file` (as `_gather_optimizer` wrote it)."""
+    """Replace `optimizer`'s state by that in `file` (as `gather_optimizer` wrote it)."""
     optimizer.state.clear()
     with safe_open(str(file), framework="pt") as f:
         keys = set(f.keys())

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from miles.core.config import RunConfig
-from miles.core.families import family_of_config, read_config
-from miles.core.family import ModelFamily
+from miles.core.contracts.family import ModelFamily
+from miles.core.registry.families import family_of_config, read_config
 from miles.torch.train.config import FSDPConfig, schedule_problem
 
 

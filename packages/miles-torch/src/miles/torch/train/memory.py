@@ -1,10 +1,10 @@
-"""What the planner counts for an `fsdp` train rank (see miles.core.memory)."""
+"""What the planner counts for an `fsdp` train rank (see miles.core.contracts.memory)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from miles.core.memory import TrainBytes, TrainInputs, sharded_data_parallel
+from miles.core.contracts.memory import TrainBytes, TrainInputs, sharded_data_parallel
 from miles.torch.train.config import LOGIT_CHUNK_ELEMENTS, OPTIMIZER_CHUNK_PARAMS, FSDPConfig
 
 _ADVICE = {

@@ -14,8 +14,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from miles.core.protocols import LossInputs
-from miles.core.types import PackedBatch, split_by_token_budget
+from miles.core.contracts.protocols import LossInputs
+from miles.core.contracts.types import PackedBatch, split_by_token_budget
 
 
 @dataclass
