@@ -13,14 +13,13 @@ from miles.runtime.rundir import atomic_checkpoint
 
 
 class FakeTrainers:
-    """`call("save", path, trace)` writes a file of `size` bytes, taking `seconds`."""
+    """`save(path, trace)` writes a file of `size` bytes, taking `seconds`."""
 
     def __init__(self, seconds: float = 0.0, size: int = 1000) -> None:
         self.seconds, self.size = seconds, size
         self.saved: list[str] = []
 
-    def call(self, method: str, path: str, trace: Any) -> None:
-        assert method == "save"
+    def save(self, path: str, trace: Any) -> None:
         time.sleep(self.seconds)
         (Path(path) / "model.safetensors").write_bytes(b"\0" * self.size)
         self.saved.append(path)

@@ -1,4 +1,4 @@
-"""TrainGroup.call tells a dead rank from a rank's own error, whichever arrives first."""
+"""A train group call tells a dead rank from a rank's own error, whichever arrives first."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class Rank:
     def __init__(self, rank: int, peer_dies: bool) -> None:
         self.rank, self.peer_dies = rank, peer_dies
 
-    def train(self) -> None:
+    def train(self, batch: Any, step: int, trace: dict[str, str]) -> None:
         if self.rank == 0:
             raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
         time.sleep(0.5)
@@ -51,9 +51,9 @@ def _group(peer_dies: bool) -> TrainGroup:
 
 def test_a_live_ranks_error_after_a_peers_death_is_the_death(local_ray: None) -> None:
     with pytest.raises(TrainerDied, match="ActorDiedError"):
-        _group(peer_dies=True).call("train")
+        _group(peer_dies=True).train(ray.put(None), 0, {})
 
 
 def test_a_ranks_own_error_is_raised_as_it_is(local_ray: None) -> None:
     with pytest.raises(ray.exceptions.RayTaskError, match="Connection closed by peer"):
-        _group(peer_dies=False).call("train")
+        _group(peer_dies=False).train(ray.put(None), 0, {})

@@ -169,45 +169,60 @@ class World:
     def weights_updated(self, version: int, synced_through: int) -> None:
         self.calls.append(f"weights_updated v{version} through {synced_through}")
 
-    # the train group (TrainGroup.call)
-    def call(self, method: str, *args: Any) -> Any:
-        if self.trainer_dies:
+
+@dataclass
+class Trainers:
+    """The train group's side of `world`: its methods, as `TrainGroup` has them."""
+
+    world: World
+
+    def _alive(self) -> World:
+        if self.world.trainer_dies:
             raise TrainerDied(RuntimeError("rank 0 died"))
-        if method == "checksum":
-            self.calls.append(f"checksum {args[0]}")
-            self.now += self.checksum_s
-            return TRAINER
-        if method in ("send_weights", "send_weights_in_place"):
-            version = args[1]
-            self.calls.append(f"{method} v{version}")
-            self.handed.append((method, args[0], args[-1]))
-            self.now += self.send_s
-            if self.fail_sends:
-                self.fail_sends -= 1
-                raise RuntimeError("gloo: connection closed by peer")
-            for i in range(self.engines):
-                self.held[i] = (TRAINER, version)
-                if self.corrupt.get(i):
-                    self.corrupt[i] -= 1
-                    self.held[i] = ("f" * 64, version)
-            return self.sent_bytes
-        if method == "join_sync":
-            self.calls.append(f"trainer join_sync world={args[2]}")
-            return None
-        if method == "leave_sync":
-            self.calls.append("leave_sync")
-            return None
-        if method == "sync_plan":
-            self.calls.append(f"sync_plan {args[0]}")
-            return self.plan
-        raise AssertionError(method)
+        return self.world
 
-    @property
-    def trainers(self) -> list[Any]:
-        class Rank0:
-            sync_address = _Method(lambda: ("10.0.0.1", 4567))
+    def checksum(self, dtype: str | None) -> str:
+        world = self._alive()
+        world.calls.append(f"checksum {dtype}")
+        world.now += world.checksum_s
+        return TRAINER
 
-        return [Rank0()]
+    def send_weights(self, plan: SyncPlan, version: int, trace: Any) -> int:
+        return self._send("send_weights", plan, version, trace)
+
+    def send_weights_in_place(
+        self, plan: SyncPlan, version: int, engines: list[Any], trace: Any
+    ) -> int:
+        return self._send("send_weights_in_place", plan, version, trace)
+
+    def _send(self, method: str, plan: SyncPlan, version: int, trace: Any) -> int:
+        world = self._alive()
+        world.calls.append(f"{method} v{version}")
+        world.handed.append((method, plan, trace))
+        world.now += world.send_s
+        if world.fail_sends:
+            world.fail_sends -= 1
+            raise RuntimeError("gloo: connection closed by peer")
+        for i in range(world.engines):
+            world.held[i] = (TRAINER, version)
+            if world.corrupt.get(i):
+                world.corrupt[i] -= 1
+                world.held[i] = ("f" * 64, version)
+        return world.sent_bytes
+
+    def sync_address(self) -> tuple[str, int]:
+        return ("10.0.0.1", 4567)
+
+    def join_sync(self, host: str, port: int, world_size: int) -> None:
+        self._alive().calls.append(f"trainer join_sync world={world_size}")
+
+    def leave_sync(self) -> None:
+        self._alive().calls.append("leave_sync")
+
+    def sync_plan(self, bucket_bytes: int) -> SyncPlan:
+        world = self._alive()
+        world.calls.append(f"sync_plan {bucket_bytes}")
+        return world.plan
 
 
 def _updater(
@@ -223,7 +238,7 @@ def _updater(
         section, name = key.split("__")
         setattr(getattr(cfg, section), name, value)
     handle = _Handle(world)
-    return WeightUpdater(cfg, world, handle, handle, colocated)  # type: ignore[arg-type]
+    return WeightUpdater(cfg, Trainers(world), handle, handle, colocated)  # type: ignore[arg-type]
 
 
 def test_a_sync_sends_verifies_and_releases_the_engines_in_order(

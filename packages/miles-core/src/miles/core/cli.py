@@ -39,17 +39,24 @@ def plugin_manager(strict: bool = True) -> PluginManager:
 
 
 class _MilesGroup(click.Group):
-    """Built-in commands, plus those plugins add (`miles_register_commands`), which load only when
-    a name is not built in or the commands are listed: `miles run` imports no plugin before it
-    has set up Ray. The top-level group and `miles plugins` (where miles-plugin-kit adds `new`
-    and `check`) are both of this class."""
+    """Built-in commands, then top-level commands a distribution names in the `miles.commands`
+    entry-point group (loaded alone, by name: `miles run` imports no plugin before it has set up
+    Ray), then those plugins add (`miles_register_commands`), which load only when a name is not
+    found otherwise or the commands are listed. The top-level group, `miles plugins` (where
+    miles-plugin-kit adds `new` and `check`) and `miles recipes` are all of this class."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
+        if ctx.parent is None:
+            for name in _named_commands():
+                self.get_command(ctx, name)
         _add_plugin_commands()
         return super().list_commands(ctx)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         command = super().get_command(ctx, cmd_name)
+        if command is None and ctx.parent is None and cmd_name in _named_commands():
+            command = _named_commands()[cmd_name].load()
+            self.add_command(command, cmd_name)
         if command is None:
             _add_plugin_commands()
             command = super().get_command(ctx, cmd_name)
@@ -58,6 +65,13 @@ class _MilesGroup(click.Group):
             if name in _COMMANDS_ELSEWHERE:
                 raise click.UsageError(f"`miles {name}` {_COMMANDS_ELSEWHERE[name]}")
         return command
+
+
+def _named_commands() -> dict[str, Any]:
+    """The `miles.commands` entry points, by command name (not loaded)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group="miles.commands")}
 
 
 # Commands other distributions add, and what to install for them: said instead of click's

@@ -1,6 +1,7 @@
-"""`miles run` and `miles recipes plan`: the commands that need the runtime, added to the core's CLI
-by this package's plugin (`miles_register_commands`). Ray and the planner load inside them, so
-`miles --help` stays fast."""
+"""`miles run` and `miles recipes plan`: the commands that need the runtime. `run` is found by name
+through the `miles.commands` entry point (so no other plugin is imported before it sets up Ray);
+`plan` joins `miles recipes` through this package's plugin (`miles_register_commands`). Ray and
+the planner load inside them, so `miles --help` stays fast."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ from miles.core.cli import load_recipe, plugin_manager
 
 
 def add_commands(cli: click.Group) -> None:
-    """`run` at the top, `plan` under `recipes`."""
-    cli.add_command(run)
+    """`plan` under `recipes` (`run` is the `miles.commands` entry point's)."""
     recipes = cli.commands["recipes"]
     assert isinstance(recipes, click.Group)
     recipes.add_command(recipes_plan)

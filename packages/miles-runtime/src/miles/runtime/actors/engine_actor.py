@@ -4,12 +4,18 @@ The actor is threaded (`max_concurrency` > 1): `pause`, `health` and weight load
 a `generate` stream is running in another thread. The engine's own lock keeps model steps and
 weight loads apart. The actor builds the run's precision once and hands the backend a
 `RolloutSetup`; what arrives in a weight sync, and how, is the backend's business.
+
+The methods other actors call are marked `@ray.method`, so mypy checks each call made through an
+`EngineHandle` against them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeAlias
+
+import ray
+from ray.actor import ActorProxy
 
 from miles.core.config import ReplayMode, RunConfig
 from miles.core.contracts.backends import Precision, RolloutEngine, RolloutSetup
@@ -61,6 +67,7 @@ class EngineActor:
             path="rollout",
         )
 
+    @ray.method
     def generate(
         self, requests: list[GenerateRequest], trace_carrier: dict[str, str]
     ) -> Iterator[list[GenerateResult]]:
@@ -73,7 +80,7 @@ class EngineActor:
             if self.engine.health().get("paused"):
                 # Paused for a weight update before this call started: hand every request back
                 # untouched, so the dispatcher requeues it, rather than raising.
-                version = self.weight_version()
+                version = self.engine.weight_version
                 yield [GenerateResult(r.request_id, [], [], "abort", version) for r in requests]
                 return
             # A plain loop, not `yield from`: Ray drives this generator with send(), which must
@@ -81,25 +88,32 @@ class EngineActor:
             for finished in self.engine.generate(requests):  # noqa: UP028
                 yield finished
 
+    @ray.method
     def pause(self) -> None:
         """Unfinished requests come back now as "abort" results with their tokens so far."""
         self.engine.pause()
 
+    @ray.method
     def resume(self) -> None:
         self.engine.resume()
 
+    @ray.method
     def release_memory(self) -> None:
         self.engine.release_memory()
 
+    @ray.method
     def resume_memory(self) -> None:
         self.engine.resume_memory()
 
+    @ray.method
     def join_weight_sync(self, host: str, port: int, world_size: int, rank: int) -> None:
         self.engine.join_weight_sync(host, port, world_size, rank)
 
+    @ray.method
     def leave_weight_sync(self) -> None:
         self.engine.leave_weight_sync()
 
+    @ray.method
     def receive_weights(self, plan: SyncPlan, version: int, trace_carrier: dict[str, str]) -> None:
         with (
             attached(trace_carrier),
@@ -107,29 +121,42 @@ class EngineActor:
         ):
             self.engine.receive_weights(plan, version)
 
-    def load_bucket(self, plan: SyncPlan, index: int, handle: Any) -> None:
-        """One bucket shared by a colocated trainer; copied in before return."""
+    @ray.method
+    def load_bucket(self, plan: SyncPlan, index: int, handle: object) -> None:
+        """One bucket shared by a colocated trainer (`handle`: the train backend's, e.g. a CUDA
+        IPC handle, opaque here); copied in before return."""
         self.engine.load_bucket(plan, index, handle)
 
+    @ray.method
     def set_weight_version(self, version: int) -> None:
         self.engine.set_weight_version(version)
 
+    @ray.method
     def checksum(self) -> str:
         return self.engine.weights_checksum()
 
+    @ray.method
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    @ray.method
     def health(self) -> dict[str, Any]:
         """The engine's health, and the Ray node it runs on."""
         return {**self.engine.health(), "node_id": node_id()}
 
+    @ray.method
     def flush(self) -> None:
         """Sends this process's buffered spans (OTLP batches) on, e.g. before the run ends."""
         flush_traces()
 
+    @ray.method
     def get_rng_state(self) -> str:
         return self.engine.get_rng_state()
 
+    @ray.method
     def set_rng_state(self, state: str) -> None:
         self.engine.set_rng_state(state)
+
+
+# What `ray.remote(EngineActor)...remote(...)` returns: the handle the other actors call it by.
+EngineHandle: TypeAlias = "ActorProxy[EngineActor]"

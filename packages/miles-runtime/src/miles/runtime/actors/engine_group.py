@@ -12,31 +12,39 @@ group tells its dispatcher which engines are ready (`Routes`), and hears from it
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 import ray
 import structlog
+from ray import ObjectRef
+from ray.actor import ActorProxy
 
 from miles.core.config import FaultConfig
 from miles.core.contracts.weight_sync import SyncPlan
 from miles.runtime.actors.engine_pool import EnginePool, EngineSlot, Launcher
-from miles.runtime.cluster.process import flush_traces, init_actor_process
-from miles.runtime.rollout.dispatch import Route, Routes
+from miles.runtime.cluster.process import flush_traces, init_actor_process, kill_actor
+from miles.runtime.rollout.dispatch import EngineSupervisor, Route, Routes
+
+if TYPE_CHECKING:
+    from miles.runtime.actors.engine_actor import EngineHandle
+    from miles.runtime.rollout.rollout_manager import RolloutHandle
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
-class EngineGroup:
+class EngineGroup(EngineSupervisor):
     def __init__(
         self,
         fault: FaultConfig,
         run_dir: str | None,
-        handles: list[Any],
+        handles: list[EngineHandle],
         launcher: Launcher | None = None,
     ) -> None:
         init_actor_process(run_dir, role="engine_group")
         self.pool = EnginePool(launcher, handles, fault, on_change=self._publish, kill=_kill)
-        self._subscriber: Any = None  # the rollout manager's handle
+        self._subscriber: RolloutHandle | None = None  # the rollout manager
         self._held = False
         self._epoch = 0  # of the routes pushed last
         # (slot, generation) of each engine in the current weight-sync group: a restarted engine
@@ -46,12 +54,14 @@ class EngineGroup:
 
     # ── the rollout manager's side ───────────────────────────────────────────────────────────────
 
-    async def connect(self, rollout_manager: Any) -> None:
+    @ray.method
+    async def connect(self, rollout_manager: RolloutHandle) -> None:
         """The rollout manager generates on the ready engines; it gets the routes from now on."""
         self._subscriber = rollout_manager
         await self._push()
         self.pool.start_health_checks()
 
+    @ray.method
     def engine_failed(self, index: int, generation: int, reason: str) -> None:
         """The dispatcher saw engine `index` die or hang inside generate."""
         self.pool.fail(index, generation, reason)
@@ -69,6 +79,7 @@ class EngineGroup:
             dropped=pool.dropped_total,
         )
 
+    @ray.method
     def fault_counts(self) -> dict[str, float]:
         """The engine faults so far, as the metrics name them (the last step's row may predate
         a restart that finished after its batch was taken)."""
@@ -89,6 +100,7 @@ class EngineGroup:
 
     # ── weight updates ───────────────────────────────────────────────────────────────────────────
 
+    @ray.method
     async def begin_update(self) -> bool:
         """Holds new requests, pauses every engine (each hands back what it was doing), and
         returns once nothing runs on any; whether the sync group must be rebuilt (an engine was
@@ -104,12 +116,14 @@ class EngineGroup:
         )
         return self._members is None or self._alive_members() != self._members
 
+    @ray.method
     def sync_world(self) -> int:
         """Fixes the members of the next weight-sync group (the alive engines); its world size
         (rank 0 is the trainer)."""
         self._members = self._alive_members()
         return len(self._members) + 1
 
+    @ray.method
     async def join_sync(self, host: str, port: int) -> None:
         """The members join the new group (as the trainer does, at the same time)."""
         world = len(self._member_slots()) + 1
@@ -120,18 +134,21 @@ class EngineGroup:
             )
         )
 
+    @ray.method
     async def receive_weights(self, plan: SyncPlan, version: int, trace: dict[str, str]) -> None:
         await asyncio.gather(
             *(s.handle.receive_weights.remote(plan, version, trace) for s in self._member_slots())
         )
 
-    def in_place_targets(self) -> list[Any]:
+    @ray.method
+    def in_place_targets(self) -> list[EngineHandle | None]:
         """Colocated sync: engine i's handle at index i (it shares train rank i's GPU), None
         where an engine is down. Those alive become the members."""
         self._members = self._alive_members()
         alive = set(self._members)
         return [s.handle if (s.index, s.generation) in alive else None for s in self.pool.slots]
 
+    @ray.method
     async def end_update(self) -> None:
         """The members hold the new weights: stale engines are ready, everyone resumes."""
         self.pool.mark_synced(self._members or [])
@@ -139,10 +156,14 @@ class EngineGroup:
         self._held = False
         await self._push()
 
+    @ray.method
     async def abort_sync(self) -> None:
         """A weight sync broke off: every engine leaves the group (which ends a receive still
         waiting on it), and those that died in it are restarted. The next sync builds a new
         group."""
+        await self._abort_sync()
+
+    async def _abort_sync(self) -> None:
         self._members = None
         alive = self.pool.alive()
         await asyncio.gather(*(_quietly(s.handle.leave_weight_sync.remote()) for s in alive))
@@ -152,6 +173,7 @@ class EngineGroup:
             except Exception as exc:
                 self.pool.fail(slot.index, slot.generation, f"died during a weight sync: {exc!r}")
 
+    @ray.method
     async def await_engines(self) -> None:
         """Returns once no engine is mid-restart (each came back, or was dropped past its
         restart budget); raises if none is left."""
@@ -159,10 +181,12 @@ class EngineGroup:
             await asyncio.sleep(0.05)
         self.pool.check()
 
+    @ray.method
     async def reset_sync_group(self) -> None:
         """The trainer side of the group is new (a train-group restart): rebuild before use."""
-        await self.abort_sync()
+        await self._abort_sync()
 
+    @ray.method
     def needs_recovery(self) -> bool:
         """No engine can take requests until a weight sync (every one is stale after a
         restart)."""
@@ -177,26 +201,31 @@ class EngineGroup:
 
     # ── memory, state and checks ─────────────────────────────────────────────────────────────────
 
+    @ray.method
     async def release_memory(self) -> None:
         """Colocated: the trainer is about to use the GPUs."""
-        await self._each("release_memory")
+        await self._each("release_memory", lambda engine: engine.release_memory.remote())
 
+    @ray.method
     async def resume_memory(self) -> None:
-        await self._each("resume_memory")
+        await self._each("resume_memory", lambda engine: engine.resume_memory.remote())
 
-    async def _each(self, method: str, *args: Any) -> list[Any]:
-        """Calls `method` on every alive engine; one that fails is reported to the pool (which
-        restarts it) and answers None, instead of failing the run."""
+    async def _each(
+        self, method: str, call: Callable[[EngineHandle], ObjectRef[T]]
+    ) -> list[T | None]:
+        """`call` (engine method `method`) on every alive engine; one that fails is reported to
+        the pool (which restarts it) and answers None, instead of failing the run."""
 
-        async def one(slot: EngineSlot) -> Any:
+        async def one(slot: EngineSlot) -> T | None:
             try:
-                return await getattr(slot.handle, method).remote(*args)
+                return await call(slot.handle)
             except Exception as exc:
                 self.pool.fail(slot.index, slot.generation, f"{method} failed: {exc!r}")
                 return None
 
         return list(await asyncio.gather(*(one(s) for s in self.pool.alive())))
 
+    @ray.method
     async def weights(self) -> list[tuple[int, str, int]]:
         """(engine index, checksum, weight version) of each engine of the last sync that is
         still alive, to verify that sync (one restarted since holds the checkpoint's weights
@@ -209,18 +238,22 @@ class EngineGroup:
             (s.index, c, v) for s, c, v in zip(alive, await checksums, await versions, strict=True)
         ]
 
+    @ray.method
     async def weights_dtype(self) -> str:
         """The dtype the engines hold their weights in (what the trainer's checksum casts to)."""
         health = await self.pool.alive()[0].handle.health.remote()
         return str(health["dtype"])
 
+    @ray.method
     async def rng_states(self) -> list[str]:
         """Each slot's engine RNG state ("" for an engine that is down or dropped: it keeps its
         own seed on resume)."""
         alive = [s.index for s in self.pool.alive()]
-        states = dict(zip(alive, await self._each("get_rng_state"), strict=True))
+        got = await self._each("get_rng_state", lambda engine: engine.get_rng_state.remote())
+        states = dict(zip(alive, got, strict=True))
         return [states.get(s.index) or "" for s in self.pool.slots]
 
+    @ray.method
     async def set_rng_states(self, states: list[str]) -> None:
         if not states:
             return
@@ -240,17 +273,18 @@ class EngineGroup:
             )
         )
 
+    @ray.method
     async def flush(self) -> None:
         """Sends the buffered spans of this process and of every live engine on."""
         flush_traces()
         await asyncio.gather(*(_quietly(s.handle.flush.remote()) for s in self.pool.alive()))
 
 
-def _kill(handle: Any) -> None:
-    ray.kill(handle, no_restart=True)
+def _kill(handle: EngineHandle) -> None:
+    kill_actor(handle)
 
 
-async def _await(ref: Any) -> Any:
+async def _await(ref: Awaitable[T]) -> T:
     return await ref
 
 
@@ -258,9 +292,13 @@ async def _done() -> None:
     return None
 
 
-async def _quietly(ref: Any) -> None:
+async def _quietly(ref: Awaitable[object]) -> None:
     """A call to an engine that may have just died: its failure is the pool's business."""
     try:
         await ref
     except Exception as exc:
         log.warning("engine call failed", error=repr(exc))
+
+
+# What `ray.remote(EngineGroup)...remote(...)` returns: the handle the controller calls it by.
+EngineGroupHandle: TypeAlias = "ActorProxy[EngineGroup]"

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import structlog
 
 from miles.core.config import FaultConfig
 
+if TYPE_CHECKING:
+    from miles.runtime.actors.engine_actor import EngineHandle
+
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 SlotState = Literal["ready", "down", "stale", "dropped"]
 
@@ -34,7 +38,7 @@ class EngineFailedError(RuntimeError):
 class Launcher(Protocol):
     """Starts engine `index` (again), returning its actor handle."""
 
-    def launch(self, index: int) -> Any: ...
+    def launch(self, index: int) -> EngineHandle: ...
 
     def node_lost(self, index: int) -> bool:
         """Whether the node engine `index` was last started on has died since."""
@@ -44,7 +48,7 @@ class Launcher(Protocol):
 @dataclass
 class EngineSlot:
     index: int
-    handle: Any
+    handle: EngineHandle
     state: SlotState = "ready"
     restarts: int = 0
     generation: int = 0  # bumped by every restart
@@ -54,10 +58,10 @@ class EngineSlot:
 @dataclass
 class EnginePool:
     launcher: Launcher | None  # None: engines cannot be restarted (failures are fatal)
-    handles: list[Any]
+    handles: list[EngineHandle]
     fault: FaultConfig
     on_change: Callable[[], None] = lambda: None  # called when a slot changes state
-    kill: Callable[[Any], None] = lambda handle: None  # stops a failed engine for good
+    kill: Callable[[EngineHandle], None] = lambda handle: None  # stops a failed engine for good
     slots: list[EngineSlot] = field(init=False)
     restarts_total: int = 0
     dropped_total: int = 0
@@ -210,11 +214,12 @@ class EnginePool:
             waited = time.monotonic() - t0
             self.fail(slot.index, generation, f"health check failed after {waited:.1f}s: {exc!r}")
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
 
-async def _ref(ref: Any) -> Any:
+async def _ref(ref: Awaitable[T]) -> T:
+    """An object ref as a coroutine (what `asyncio.wait_for` gets)."""
     return await ref

@@ -4,6 +4,9 @@ Every rank receives the same batch object (one `ray.put`) and runs every call, b
 backends need all ranks in each collective; rank 0 alone talks to the rollout engines. The actor
 builds the run's precision and algorithm components once, hands the backend a `TrainSetup`, and
 runs the algorithm's batch preparation between the backend's logprobs and its train step.
+
+The methods the train group calls are marked `@ray.method`, so mypy checks each call made through a
+`TrainHandle` against them.
 """
 
 from __future__ import annotations
@@ -12,14 +15,15 @@ import contextlib
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import ray
 import structlog
+from ray.actor import ActorProxy
 
 from miles.core.config import RunConfig
 from miles.core.contracts.algorithm import Algorithm, WithEntropyBonus, WithKL, loss_weights
-from miles.core.contracts.backends import CriticBackend, Precision, TrainBackend, TrainSetup
+from miles.core.contracts.backends import F32, CriticBackend, Precision, TrainBackend, TrainSetup
 from miles.core.contracts.components import Capability, Kind
 from miles.core.contracts.protocols import AdvantageEstimator, PolicyLoss, TokenAdvantageEstimator
 from miles.core.contracts.types import PackedBatch
@@ -33,6 +37,9 @@ from miles.runtime.cluster.process import (
     node_address,
     reserve_port,
 )
+
+if TYPE_CHECKING:
+    from miles.runtime.actors.engine_actor import EngineHandle
 
 
 def needs_values(config: RunConfig) -> bool:
@@ -124,6 +131,7 @@ class TrainActor:
 
     # ── training ─────────────────────────────────────────────────────────────────────────────────
 
+    @ray.method
     def train(self, batch: PackedBatch, step: int, trace: dict[str, str]) -> dict[str, float]:
         """Old and reference logprobs, advantages and loss weights (every rank computes the
         same), then one optimizer step with the RL loss (and one for the critic). `step` is the
@@ -138,7 +146,7 @@ class TrainActor:
                 out = self.backend.logprobs(batch)
             critic = cast(CriticBackend, self.backend)
 
-            def values() -> Any:
+            def values() -> F32:
                 with span("miles.values", step=number, rank=self.rank):
                     return critic.values(batch)
 
@@ -165,6 +173,7 @@ class TrainActor:
             with profiled(str(out / f"train{self.rank}-step{step}")):
                 yield
 
+    @ray.method
     def warmstart_step(
         self, batch: PackedBatch, step: int, trace: dict[str, str]
     ) -> dict[str, float]:
@@ -178,10 +187,12 @@ class TrainActor:
 
     # ── weights ──────────────────────────────────────────────────────────────────────────────────
 
+    @ray.method
     def sync_plan(self, bucket_bytes: int) -> SyncPlan:
         """Names, shapes and dtypes of what engines receive (collective: all ranks call it)."""
         return self.backend.weight_sync_plan(bucket_bytes)
 
+    @ray.method
     def sync_address(self) -> tuple[str, int]:
         """Where the sync group meets: this node's address (never localhost: engines may be on
         other nodes) and a port held until rank 0's store listens on it, so concurrent runs on
@@ -190,6 +201,7 @@ class TrainActor:
         self._sync_port = reserve_port()
         return node_address(), int(self._sync_port.getsockname()[1])
 
+    @ray.method
     def join_sync(self, host: str, port: int, world_size: int) -> None:
         try:
             self.backend.join_weight_sync(host, port, world_size)
@@ -201,22 +213,29 @@ class TrainActor:
         if held is not None:
             held.close()
 
+    @ray.method
     def leave_sync(self) -> None:
         self.backend.leave_weight_sync()
 
+    @ray.method
     def send_weights(self, plan: SyncPlan, version: int, trace: dict[str, str]) -> int:
         """Streams weights to the engines (collective over ranks; rank 0 broadcasts)."""
         with attached(trace), span("miles.weight_sync.send", version=version, rank=self.rank):
             return self.backend.send_weights(plan)
 
+    @ray.method
     def send_weights_in_place(
-        self, plan: SyncPlan, version: int, engines: list[Any], trace: dict[str, str]
+        self,
+        plan: SyncPlan,
+        version: int,
+        engines: list[EngineHandle | None],
+        trace: dict[str, str],
     ) -> int:
         """Colocated: rank r hands each bucket to engine r on its own GPU, one round trip per
         bucket (collective over ranks: every rank materialises every full tensor)."""
         engine = engines[self.rank] if self.rank < len(engines) else None
 
-        def deliver(index: int, handle: Any) -> None:
+        def deliver(index: int, handle: object) -> None:  # handle: the backend's, opaque here
             assert engine is not None
             ray.get(engine.load_bucket.remote(plan, index, handle))
 
@@ -227,26 +246,36 @@ class TrainActor:
                 ray.get(engine.set_weight_version.remote(version))
             return sent
 
+    @ray.method
     def checksum(self, dtype: str | None = None) -> str:
         """Hash of the weights as engines holding `dtype` should hold them (collective; rank
         0's is used)."""
         return self.backend.weights_checksum(dtype)
 
+    @ray.method
     def sleep(self) -> None:
         """Colocated: weights and optimizer state to host memory while the engines generate."""
         self.backend.sleep()
 
+    @ray.method
     def wake(self) -> None:
         self.backend.wake()
 
     # ── checkpoints ──────────────────────────────────────────────────────────────────────────────
 
+    @ray.method
     def save(self, path: str, trace: dict[str, str]) -> None:
         with attached(trace), span("miles.checkpoint.train", rank=self.rank):
             self.backend.save(path)
 
+    @ray.method
     def load(self, path: str) -> None:
         self.backend.load(path)
 
+    @ray.method
     def flush(self) -> None:
         flush_traces()
+
+
+# What `ray.remote(TrainActor)...remote(...)` returns: the handle the train group calls a rank by.
+TrainHandle: TypeAlias = "ActorProxy[TrainActor]"

@@ -14,7 +14,11 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.util.placement_group import PlacementGroup
 
 BundleKind = Literal["train", "engine"]
 
@@ -32,7 +36,7 @@ class BundleInfo:
         return len(self.gpu_ids)
 
 
-def probe_bundles(group: Any, topology_label: str | None = None) -> list[BundleInfo]:
+def probe_bundles(group: PlacementGroup, topology_label: str | None = None) -> list[BundleInfo]:
     """Where each bundle of a ready placement group is: node, IP, topology group, GPU ids.
 
     Node, IP and labels come from the cluster's tables. GPU ids are known only inside a bundle,
@@ -47,7 +51,7 @@ def probe_bundles(group: Any, topology_label: str | None = None) -> list[BundleI
     placed = placement_group_table(group).get("bundles_to_node_id") or {}
     nodes = {n["NodeID"]: n for n in ray.nodes()}  # type: ignore[no-untyped-call]
     probe = ray.remote(_where)
-    infos: list[Any] = []
+    infos: list[BundleInfo | ObjectRef[BundleInfo]] = []
     for index, spec in enumerate(group.bundle_specs):
         node = nodes.get(placed.get(index) or placed.get(str(index)) or "")
         if spec.get("GPU", 0) or node is None:

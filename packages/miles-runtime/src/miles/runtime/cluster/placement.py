@@ -16,10 +16,11 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import ray
 import structlog
+from ray import ObjectRef
 from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import (
@@ -31,13 +32,13 @@ from miles.core.config import ReplayMode, RunConfig
 from miles.core.contracts.components import Capability, Kind
 from miles.core.registry.families import record_mode
 from miles.core.registry.plugins import get_plugin_manager
-from miles.runtime.actors.engine_actor import MAX_CONCURRENCY, EngineActor
-from miles.runtime.actors.engine_group import EngineGroup
-from miles.runtime.actors.train_actor import TrainActor
+from miles.runtime.actors.engine_actor import MAX_CONCURRENCY, EngineActor, EngineHandle
+from miles.runtime.actors.engine_group import EngineGroup, EngineGroupHandle
+from miles.runtime.actors.train_actor import TrainActor, TrainHandle
 from miles.runtime.cluster.bundles import BundleInfo, assign, probe_bundles
-from miles.runtime.cluster.process import free_port, node_address, node_id
+from miles.runtime.cluster.process import free_port, kill_actor, node_address, node_id
 from miles.runtime.planning.gpu_memory import local_gpu_memory_gb
-from miles.runtime.rollout.rollout_manager import RolloutManager
+from miles.runtime.rollout.rollout_manager import RolloutHandle, RolloutManager
 from miles.runtime.rundir import add_to_manifest
 
 log = structlog.get_logger(__name__)
@@ -153,7 +154,7 @@ class TrainLauncher:
     kwargs: dict[str, Any]  # TrainActor's keyword arguments, except rank and the rendezvous
     node_wait_s: float = 300.0
 
-    def launch(self, tries: int = 3) -> list[Any]:
+    def launch(self, tries: int = 3) -> list[TrainHandle]:
         """The ranks, once each has started. The group starts again when a node of its bundles
         died while it started (Ray had not noticed yet), and when the rendezvous port, free when
         picked, was taken before rank 0 bound it (up to `tries` times)."""
@@ -163,7 +164,7 @@ class TrainLauncher:
             nodes = bundle_nodes(self.group, self.bundles)
             trainers = self._start()
             try:
-                ray.get([t.__ray_ready__.remote() for t in trainers])
+                ray.get([_ready(t) for t in trainers])
                 return trainers
             except RayActorError as exc:
                 if not nodes_alive(nodes):
@@ -174,7 +175,7 @@ class TrainLauncher:
                 else:
                     return trainers  # a rank that did not start fails its first call: a lost rank
             for trainer in trainers:
-                ray.kill(trainer, no_restart=True)
+                kill_actor(trainer)
 
     def _rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port there: picked here when rank 0's bundle is on this
@@ -195,7 +196,7 @@ class TrainLauncher:
                 wait_for_places(self.group, self.node_wait_s)  # NoPlaceError past the wait
                 ref = probe.remote()
 
-    def _start(self) -> list[Any]:
+    def _start(self) -> list[TrainHandle]:
         master_addr, master_port = self._rendezvous()
         return [
             ray.remote(TrainActor)
@@ -229,7 +230,7 @@ class EngineLauncher:
     node_wait_s: float = 300.0
     started_on: dict[int, set[str | None]] = field(default_factory=dict)  # engine -> its node
 
-    def launch(self, index: int) -> Any:
+    def launch(self, index: int) -> EngineHandle:
         wait_for_places(self.group, self.node_wait_s)
         self.started_on[index] = bundle_nodes(self.group, [self.bundles[index]])
         return (
@@ -251,6 +252,20 @@ class EngineLauncher:
         return index in self.started_on and not nodes_alive(self.started_on[index])
 
 
+class _RayReady(Protocol):
+    def remote(self) -> ObjectRef[bool]: ...
+
+
+class _Started(Protocol):
+    __ray_ready__: _RayReady
+
+
+def _ready(actor: TrainHandle) -> ObjectRef[bool]:
+    """Ray's `__ray_ready__`, which every actor has (it answers once the constructor has run),
+    but no actor class declares."""
+    return cast(_Started, actor).__ray_ready__.remote()
+
+
 def cpu_threads_per_actor(actors: int) -> int:
     """On CPU, each actor's share of the cores, so the actors do not oversubscribe the machine
     (torch's thread pools spin at every barrier while a thread of theirs waits for a core).
@@ -262,10 +277,10 @@ def cpu_threads_per_actor(actors: int) -> int:
 
 @dataclass
 class Placement:
-    trainers: list[Any]
+    trainers: list[TrainHandle]
     train_launcher: TrainLauncher
-    engines: Any  # the EngineGroup actor
-    rollout: Any  # the RolloutManager actor
+    engines: EngineGroupHandle
+    rollout: RolloutHandle
     group: PlacementGroup
     colocated: bool
 
@@ -314,12 +329,12 @@ class Placement:
         driver_node = node_id()
         add_to_manifest(Path(run_dir), layout=layout, coordinator_node_id=driver_node)
         here = NodeAffinitySchedulingStrategy(driver_node, soft=False)
-        engines: Any = (
+        engines = (
             ray.remote(EngineGroup)
             .options(num_cpus=0, scheduling_strategy=here)
             .remote(config.fault, run_dir, handles, engine_launcher)
         )
-        rollout: Any = (
+        rollout = (
             ray.remote(RolloutManager)
             .options(num_cpus=0, scheduling_strategy=here)
             .remote(config, run_dir, engines)

@@ -1,4 +1,5 @@
-"""Set-up every Miles actor process runs first (logs, traces), and the addresses actors share."""
+"""Set-up every Miles actor process runs first (logs, traces), the addresses actors share, and
+the end of an actor."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ import secrets
 import signal
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import ray
 import structlog
 from opentelemetry import trace
+from ray.actor import ActorHandle, ActorProxy
 
 from miles.core.observability.logsetup import configure_logging
 from miles.runtime.tracing import configure_tracing
+
+T = TypeVar("T")
 
 
 def dump_stacks_on_sigusr1() -> None:
@@ -42,6 +46,12 @@ def flush_traces() -> None:
     provider: Any = trace.get_tracer_provider()
     if hasattr(provider, "force_flush"):
         provider.force_flush()
+
+
+def kill_actor(actor: ActorProxy[T]) -> None:
+    """Stops `actor` for good, without a restart. Ray types a handle as `ActorProxy` (handle or
+    class, so that mypy sees the class's methods); at run time it is always the handle."""
+    ray.kill(cast(ActorHandle[T], actor), no_restart=True)
 
 
 def node_id() -> str:

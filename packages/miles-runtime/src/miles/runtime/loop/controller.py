@@ -18,19 +18,23 @@ Ray's object store; weights go from the train ranks to the engines.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import ray
 import structlog
+from ray import ObjectRef
+from ray.actor import ActorMethod
 
 from miles.core.config import RunConfig
 from miles.core.contracts.components import Capability, Kind
-from miles.core.contracts.types import RunInfo
+from miles.core.contracts.types import PackedBatch, RunInfo
 from miles.core.observability.telemetry import carrier, span
 from miles.core.registry.plugins import get_plugin_manager
 from miles.runtime.actors.train_group import (
@@ -50,7 +54,11 @@ from miles.runtime.loop.weight_updates import WeightSyncError, WeightUpdater
 from miles.runtime.planning.planner import colocated_offload
 from miles.runtime.rundir import SkippedCheckpoint, drop_rows_after, scan_checkpoints
 
+if TYPE_CHECKING:
+    from miles.runtime.rollout.rollout_manager import RolloutHandle
+
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -172,7 +180,7 @@ class Controller:
         metrics = self.sync_weights(step, new_version=new_version) if new_version else {}
         if self.colocated:
             if self.offload:
-                self.trainers.call("sleep")
+                self.trainers.sleep()
             ray.get(self.rollout.open.remote())
         return metrics
 
@@ -224,13 +232,13 @@ class Controller:
         for step in range(first, last + 1):
             batch = self.snapshots.batches[step]
             if batch is not None:  # None: that step had nothing to train
-                self.trainers.call("train", batch, step, carrier())
+                self.trainers.train(batch, step, carrier())
         return max(0, last - first + 1)
 
-    def _retrying(self, what: str, fn: Any) -> Any:
+    def _retrying(self, what: str, fn: Callable[[], T]) -> T:
         return retrying(what, fn, self._recover_trainers)
 
-    def _rollout_result(self, ref: Any) -> Any:
+    def _rollout_result(self, ref: ObjectRef[T]) -> T:
         """The rollout side's answer (a batch's metrics, its state, an evaluation, its close),
         which may wait on generation: meanwhile, brings in engines restarted while no engine
         was left to generate (a weight sync re-sends the current version). Without this, a
@@ -256,7 +264,7 @@ class Controller:
         if not self.config.eval.data:
             return {}
         t0 = time.perf_counter()
-        metrics = dict(self._rollout_result(self.rollout.evaluate.remote(step, carrier())))
+        metrics = self._rollout_result(self.rollout.evaluate.remote(step, carrier()))
         self.eval_s += time.perf_counter() - t0
         # Under eval/: a row of evaluation alone is not a training step (`miles report`).
         metrics["eval/train_elapsed_s"] = self.train_elapsed()
@@ -346,7 +354,9 @@ class Controller:
                             progress.update(final)
                             last = step == cfg.steps - 1
                             if self._checkpoint_due(step) or (interrupt.requested and not last):
-                                self._retrying("checkpoint", lambda s=step: self.checkpoint(s))
+                                self._retrying(
+                                    "checkpoint", functools.partial(self.checkpoint, step)
+                                )
                             if interrupt.requested and not last:
                                 raise self._interrupted(step)
                 finally:
@@ -363,7 +373,8 @@ class Controller:
                     self.metrics.log(cfg.steps, end_eval)
             status = "completed"
             # The summary counts every engine fault of the run, also one after the last batch.
-            final = {**final, **ray.get(self.engines.fault_counts.remote())}
+            faults = ray.get(self.engines.fault_counts.remote())
+            final = {**final, **faults}
             return RunResult(self.run_dir, cfg.steps, final)
         except (KeyboardInterrupt, RunInterrupted):
             status = "interrupted"
@@ -400,10 +411,8 @@ class Controller:
         with span("miles.step", step=step + 1, run_id=self.info.run_id):
             # The batch goes from the rollout manager to the train ranks through the object store;
             # the controller only reads the small metrics dict.
-            batch_ref, metrics_ref = self.rollout.take.options(num_returns=2).remote(
-                step, carrier()
-            )
-            metrics: dict[str, float] = dict(self._rollout_result(metrics_ref))
+            batch_ref, metrics_ref = _take(self.rollout, step, carrier())
+            metrics = self._rollout_result(metrics_ref)
             metrics["perf/rollout_wait_s"] = time.perf_counter() - t0
             if self.plugins.has_impls("miles_after_rollout"):
                 samples = ray.get(batch_ref).to_samples()
@@ -421,10 +430,10 @@ class Controller:
                     self._rollout_result(self.rollout.close.remote())
                 if self.offload:
                     ray.get(self.engines.release_memory.remote())
-                    self.trainers.call("wake")
+                    self.trainers.wake()
                 trains = bool(metrics["rollout/kept_samples"])
                 if trains:
-                    metrics.update(self.trainers.call("train", batch_ref, step, carrier()))
+                    metrics.update(self.trainers.train(batch_ref, step, carrier()))
                 metrics["perf/train_s"] = time.perf_counter() - t1
                 self.snapshots.trained(step, batch_ref if trains else None, metrics["perf/train_s"])
                 metrics.update(self._sync_after_train(step))
@@ -457,3 +466,15 @@ class Controller:
                 ],
                 timeout=30,
             )
+
+
+def _take(
+    rollout: RolloutHandle, step: int, trace: dict[str, str]
+) -> tuple[ObjectRef[PackedBatch], ObjectRef[dict[str, float]]]:
+    """`RolloutManager.take`, its batch and its metrics as two refs. Ray's typing has no
+    `.options(...)`: mypy checks the arguments through the plain call under TYPE_CHECKING, and
+    the two-ref call is cast."""
+    if TYPE_CHECKING:
+        rollout.take.remote(step, trace)
+    batch, metrics = cast(ActorMethod, rollout.take).options(num_returns=2).remote(step, trace)
+    return batch, metrics

@@ -20,11 +20,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import structlog
+from ray import ObjectRef
 
 from miles.core.config import FaultConfig
+from miles.core.contracts.types import PackedBatch
 from miles.core.observability.telemetry import carrier, span
 from miles.runtime.actors.train_group import TrainerDied, TrainGroup
 from miles.runtime.rundir import latest_valid_checkpoint
@@ -56,7 +57,8 @@ class Snapshots:
         self.auto = fault.snapshot_every == "auto"
         self.every = 1 if fault.snapshot_every == "auto" else int(fault.snapshot_every)
         self.latest: RestorePoint | None = None
-        self.batches: dict[int, Any] = {}  # step -> its batch (None: nothing was trained)
+        # step -> its batch (None: nothing was trained)
+        self.batches: dict[int, ObjectRef[PackedBatch] | None] = {}
         self._size = 0  # bytes of the newest snapshot
         self._since = 0  # steps trained since the newest snapshot
         self._snapshot_s: float | None = None  # running means
@@ -66,7 +68,7 @@ class Snapshots:
     def enabled(self) -> bool:
         return self.every != 0
 
-    def trained(self, step: int, batch: Any, train_s: float) -> None:
+    def trained(self, step: int, batch: ObjectRef[PackedBatch] | None, train_s: float) -> None:
         """Step `step` trained on `batch` (an object reference) in `train_s`: the batch is kept
         until a restore point covers it."""
         self.batches[step] = batch
@@ -87,7 +89,7 @@ class Snapshots:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             with span("miles.snapshot", step=step + 1):
-                trainers.call("save", str(tmp), carrier())
+                trainers.save(str(tmp), carrier())
             tmp.rename(final)
         except TrainerDied:
             raise

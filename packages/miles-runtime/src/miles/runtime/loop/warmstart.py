@@ -7,26 +7,31 @@ again on the same batches (Ray object references the controller keeps), then goe
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
+from ray import ObjectRef
 
 from miles.core.config import WarmstartConfig
+from miles.core.contracts.types import PackedBatch
 from miles.core.observability.telemetry import carrier, span
 from miles.runtime.actors.train_group import TrainerDied, TrainGroup, retrying
+
+if TYPE_CHECKING:
+    from miles.runtime.rollout.rollout_manager import RolloutHandle
 
 log = structlog.get_logger(__name__)
 
 
-def warm_start(ws: WarmstartConfig, trainers: TrainGroup, rollout: Any) -> int:
+def warm_start(ws: WarmstartConfig, trainers: TrainGroup, rollout: RolloutHandle) -> int:
     """Runs `ws.steps` SFT steps; returns how many were redone after a lost train group."""
     log.info("warm-start (SFT)", steps=ws.steps, batch_size=ws.batch_size)
-    batches: list[Any] = []
+    batches: list[ObjectRef[PackedBatch]] = []
     redone = 0
 
     def step(i: int) -> dict[str, float]:
         with span("miles.warmstart", step=i):
-            return dict(trainers.call("warmstart_step", batches[i], i, carrier()))
+            return dict(trainers.warmstart_step(batches[i], i, carrier()))
 
     def recover(error: TrainerDied) -> None:
         nonlocal redone

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 import structlog
@@ -22,6 +22,10 @@ from miles.core.observability.telemetry import carrier, span
 from miles.runtime.actors.train_group import TrainerDied, TrainGroup
 from miles.runtime.rollout.buffer import BufferPolicy
 
+if TYPE_CHECKING:
+    from miles.runtime.actors.engine_group import EngineGroupHandle
+    from miles.runtime.rollout.rollout_manager import RolloutHandle
+
 log = structlog.get_logger(__name__)
 
 
@@ -31,7 +35,12 @@ class WeightSyncError(RuntimeError):
 
 class WeightUpdater:
     def __init__(
-        self, config: RunConfig, trainers: TrainGroup, engines: Any, rollout: Any, colocated: bool
+        self,
+        config: RunConfig,
+        trainers: TrainGroup,
+        engines: EngineGroupHandle,
+        rollout: RolloutHandle,
+        colocated: bool,
     ) -> None:
         self.config, self.trainers = config, trainers
         self.engines, self.rollout, self.colocated = engines, rollout, colocated
@@ -46,7 +55,7 @@ class WeightUpdater:
 
     def make_plan(self) -> None:
         """What engines receive (again after the train group restarted)."""
-        self.plan = self.trainers.call("sync_plan", self.config.rollout.sync_bucket_mb * 2**20)
+        self.plan = self.trainers.sync_plan(self.config.rollout.sync_bucket_mb * 2**20)
 
     def sync(self, step: int, *, new_version: bool = True) -> dict[str, float]:
         """The trainer's weights to every alive engine, as a new version (after training) or
@@ -115,7 +124,7 @@ class WeightUpdater:
 
     def _tear_down(self) -> None:
         """Every side leaves the broken group; then wait until dead engines are replaced."""
-        self.trainers.call("leave_sync")
+        self.trainers.leave_sync()
         ray.get(self.engines.abort_sync.remote())
         ray.get(self.engines.await_engines.remote())
 
@@ -126,17 +135,15 @@ class WeightUpdater:
         trace = carrier()
         if self.colocated:
             targets = ray.get(self.engines.in_place_targets.remote())
-            return int(
-                self.trainers.call("send_weights_in_place", self.plan, version, targets, trace)
-            )
+            return int(self.trainers.send_weights_in_place(self.plan, version, targets, trace))
         if rebuild:  # every member joins the new group at once
-            host, port = ray.get(self.trainers.trainers[0].sync_address.remote())
+            host, port = self.trainers.sync_address()
             world = ray.get(self.engines.sync_world.remote())
             joined = self.engines.join_sync.remote(host, port)
-            self.trainers.call("join_sync", host, port, world)
+            self.trainers.join_sync(host, port, world)
             ray.get(joined)
         receive = self.engines.receive_weights.remote(self.plan, version, trace)
-        sent = self.trainers.call("send_weights", self.plan, version, trace)
+        sent = self.trainers.send_weights(self.plan, version, trace)
         ray.get(receive)
         return int(sent)
 
@@ -147,7 +154,7 @@ class WeightUpdater:
         if self._engine_dtype is None:
             self._engine_dtype = str(ray.get(self.engines.weights_dtype.remote()))
         engines = self.engines.weights.remote()
-        expected = self.trainers.call("checksum", self._engine_dtype)  # collective
+        expected = self.trainers.checksum(self._engine_dtype)  # collective
         check_engine_weights(expected, version, [EngineWeights(*w) for w in ray.get(engines)])
 
 

@@ -23,16 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
+import ray
+from ray import ObjectRef
+from ray.actor import ActorMethod
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from miles.core.contracts.backends import EngineUnavailable
 from miles.core.contracts.types import GenerateRequest, GenerateResult, token_versions
 from miles.core.observability.telemetry import carrier
 from miles.runtime.actors.engine_pool import EngineFailedError
+
+if TYPE_CHECKING:
+    from miles.runtime.actors.engine_actor import EngineHandle
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ class Route:
 
     index: int
     generation: int
-    handle: Any
+    handle: EngineHandle
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,18 @@ class Routes:
 
 
 # (engine index, generation, reason): the engine group's business from there.
-FailureReport = Callable[[int, int, str], None]
+FailureReport = Callable[[int, int, str], object]
+
+
+class EngineSupervisor:
+    """The actor the dispatcher's failure reports go to: the engine group, which kills and
+    restarts the engine. A base class of `EngineGroup`, so that the rollout manager (which sends
+    the reports) can name the engine group's handle, `ActorProxy[EngineSupervisor]`, without
+    importing the engine group's module, which imports the rollout manager's."""
+
+    @ray.method
+    def engine_failed(self, index: int, generation: int, reason: str) -> None:
+        raise NotImplementedError
 
 
 class RequestLostError(RuntimeError):
@@ -186,7 +203,7 @@ class EngineDispatcher:
                     pending.on_engines += 1
                 self._start(self._run(route, share, share[0].trace))
 
-    def _start(self, coro: Any) -> None:
+    def _start(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._running.add(task)
         self._idle.clear()
@@ -207,9 +224,7 @@ class EngineDispatcher:
         by_id = {p.request.request_id: p for p in share}
         self._inflight[route.index] = self.inflight(route.index) + len(share)
         try:
-            stream = route.handle.generate.options(num_returns="streaming").remote(
-                [p.next_request() for p in share], trace
-            )
+            stream = _generate(route.handle, [p.next_request() for p in share], trace)
             loop = asyncio.get_running_loop()
             # One deadline for the whole stream, pushed back at every result: cheaper per result
             # than a wait_for (a task each), and a silent engine still times out.
@@ -291,3 +306,18 @@ class EngineDispatcher:
             )
         if not pending.future.done():
             pending.future.set_result(result)
+
+
+def _generate(
+    engine: EngineHandle, requests: list[GenerateRequest], trace: dict[str, str]
+) -> AsyncIterator[ObjectRef[list[GenerateResult]]]:
+    """`EngineActor.generate` as a Ray streaming generator: a ref for each list of results that
+    finished together. Ray's typing has no `.options(...)`: mypy checks the arguments through
+    the plain call under TYPE_CHECKING, and the streaming call is cast."""
+    if TYPE_CHECKING:
+        engine.generate.remote(requests, trace)
+    method = cast(ActorMethod, engine.generate)
+    stream: AsyncIterator[ObjectRef[list[GenerateResult]]] = method.options(
+        num_returns="streaming"
+    ).remote(requests, trace)
+    return stream

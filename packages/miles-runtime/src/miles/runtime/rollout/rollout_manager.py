@@ -10,13 +10,16 @@ which tells the dispatcher which are ready.
 from __future__ import annotations
 
 import time
+from collections.abc import Coroutine
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 
 import numpy as np
+import ray
 import structlog
+from ray.actor import ActorProxy
 
 from miles.core.config import RunConfig
 from miles.core.contracts.components import Capability, Kind
@@ -29,7 +32,7 @@ from miles.runtime.cluster.process import flush_traces, init_actor_process
 from miles.runtime.data.check import model_context, too_long
 from miles.runtime.data.source import PromptSource, read_rows
 from miles.runtime.rollout.buffer import BatchBuffer, BufferPolicy, StepBatch
-from miles.runtime.rollout.dispatch import EngineDispatcher, Routes
+from miles.runtime.rollout.dispatch import EngineDispatcher, EngineSupervisor, Routes
 from miles.runtime.rollout.ledger import SampleLedger
 from miles.runtime.rollout.producer import RolloutProducer
 from miles.runtime.rollout.prompts import PromptEncoder
@@ -40,7 +43,9 @@ log = structlog.get_logger(__name__)
 
 
 class RolloutManager:
-    def __init__(self, config: RunConfig, run_dir: str | None, engine_group: Any) -> None:
+    def __init__(
+        self, config: RunConfig, run_dir: str | None, engine_group: ActorProxy[EngineSupervisor]
+    ) -> None:
         init_actor_process(run_dir, role="rollout_manager")
         self.config = config
         r = config.rollout
@@ -88,9 +93,11 @@ class RolloutManager:
 
     # ── the engine group's side ──────────────────────────────────────────────────────────────────
 
+    @ray.method
     def set_routes(self, routes: Routes) -> None:
         self.dispatcher.set_routes(routes)
 
+    @ray.method
     async def hold(self, routes: Routes) -> None:
         """A weight update begins: `routes` hold requests; returns once none is on an engine."""
         self.dispatcher.set_routes(routes)
@@ -103,7 +110,7 @@ class RolloutManager:
         prompts = self.prompts.encode(rows)
         return self.ledger.new_groups(rows, prompts, self.config.rollout.samples_per_prompt)
 
-    def _start_batch(self, step: int) -> Any:
+    def _start_batch(self, step: int) -> Coroutine[Any, Any, StepBatch]:
         groups = self._new_groups(self.config.rollout.prompts_per_step)  # drawn now, in order
         return self._produce(step, groups)
 
@@ -111,6 +118,7 @@ class RolloutManager:
         with attached(self._trace), span("miles.rollout", step=step + 1):
             return await self.producer.produce(step, groups, self.sampling, self._new_groups)
 
+    @ray.method
     async def start(self, first_step: int, version: int, trace: dict[str, str]) -> None:
         """RL begins at `first_step`, with the engines at weight `version`: start producing.
         Batches start in the background, under the run's trace (`trace`)."""
@@ -118,6 +126,7 @@ class RolloutManager:
         self._since = time.perf_counter()
         self.buffer.begin(first_step, version)
 
+    @ray.method
     async def take(self, step: int, trace: dict[str, str]) -> tuple[PackedBatch, dict[str, float]]:
         """Batch `step`, once finished; samples too old for the policy are dropped or made again."""
         with attached(trace), span("miles.take", step=step + 1):
@@ -179,23 +188,28 @@ class RolloutManager:
         self._prompt_at_take = dispatcher.prompt_tokens
         return metrics
 
+    @ray.method
     async def finish_in_flight(self) -> None:
         """Before a weight update that does not interrupt generation: let batches finish."""
         await self.buffer.finish_in_flight()
 
+    @ray.method
     def weights_updated(self, version: int, synced_through: int) -> None:
         """The engines hold `version`, made by step `synced_through`."""
         self.buffer.weights_updated(version, synced_through)
 
+    @ray.method
     async def close(self) -> None:
         """Colocated: the trainer is about to take the GPUs; generation stops until `open`."""
         await self.buffer.close()
 
+    @ray.method
     def open(self) -> None:
         self.buffer.open()
 
     # ── evaluation and warm-start ────────────────────────────────────────────────────────────────
 
+    @ray.method
     async def evaluate(self, step: int, trace: dict[str, str]) -> dict[str, float]:
         """One sample per held-out prompt, at the eval temperature."""
         if not self.eval_rows:
@@ -216,6 +230,7 @@ class RolloutManager:
                 "eval/prompts": float(len(samples)),
             }
 
+    @ray.method
     def sft_batch(self, batch_size: int) -> PackedBatch:
         """The next warm-start batch."""
         ws = self.config.warmstart
@@ -226,7 +241,8 @@ class RolloutManager:
 
     # ── checkpointed state ───────────────────────────────────────────────────────────────────────
 
-    async def get_state(self) -> dict[str, Any]:
+    @ray.method
+    async def get_state(self) -> dict[str, object]:
         """Data position, ids and the buffer. Batches in flight are finished first and saved
         with it, so none is lost or generated twice on resume."""
         buffer = await self.buffer.snapshot()
@@ -237,12 +253,14 @@ class RolloutManager:
             "buffer": buffer,
         }
 
+    @ray.method
     def set_state(self, state: dict[str, Any]) -> None:
         self.source.set_state(state["data"])
         self.ledger.set_state(state)
         self.buffer.next_step = int(state.get("next_step", 0))
         self.buffer.restore(state.get("buffer", []))
 
+    @ray.method
     def flush(self) -> None:
         """Sends this process's buffered spans on."""
         flush_traces()
@@ -257,6 +275,11 @@ class RolloutManager:
         long = too_long(rows, key, partial(self.prompts.encode, key=key), context, extra)
         self.dropped_long_prompts += len(long)
         return [row for i, row in enumerate(rows) if i not in long]
+
+
+# What `ray.remote(RolloutManager)...remote(...)` returns: the handle the controller (and the
+# engine group) call it by.
+RolloutHandle: TypeAlias = "ActorProxy[RolloutManager]"
 
 
 def load_tokenizer(model_path: str) -> Tokenizer:
