@@ -336,3 +336,63 @@ def test_the_hf_path_serves_the_same_features(server, model, reference):
     jsonschema.validate(json.loads(value), schema)
     status, out = server.call("/get_memory_pool_size")
     assert status == 400 and "no KV memory pool" in out["error"]["message"]
+
+
+def test_the_paged_engine_runs_what_the_served_context_allows(
+    serve_process_for_module: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The engine's KV cache and longest request follow the served context: a model allowing
+    8192 tokens, served with a 6000-token KV cache, reports 6000, and runs a 4500-token prompt
+    (over the engine's rollout default of 4096, which once aborted every such request)."""
+    from miles.torch.testing import make_tiny_model
+
+    long_model = make_tiny_model(
+        tmp_path_factory.mktemp("long") / "model", vocab_size=128, max_position_embeddings=8192
+    )
+    start_server, stop_server = serve_process_for_module
+    server = start_server(
+        long_model, tmp_path_factory.mktemp("serve-long"),
+        "--engine-path", "paged", "--max-total-tokens", "6000",
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        (entry,) = client.models.list().data
+        assert entry.model_dump()["max_model_len"] == 6000
+        prompt = [int(i) % 100 + 3 for i in range(4500)]
+        out = client.completions.create(model=entry.id, prompt=prompt, max_tokens=8, temperature=0)
+        assert out.choices[0].finish_reason == "length", out
+        assert out.usage.prompt_tokens == 4500 and out.usage.completion_tokens == 8
+        # Past the served context: refused up front, in SGLang's wording.
+        with pytest.raises(
+            openai.BadRequestError, match="exceeds the model's maximum context length of 6000"
+        ):
+            client.completions.create(model=entry.id, prompt=prompt, max_tokens=1600)
+    finally:
+        stop_server(server)
+
+
+def test_a_repeated_prompt_reports_every_token_but_the_last_as_cached(
+    model: str, serve_process_for_module: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """As SGLang's radix cache with its default page size of 1: the second time a prompt is
+    sent, all of it but the last token (whose logits must be computed) comes from the cache, and
+    the answer is the same as with no cache hit; 16-token pages reuse whole pages only."""
+    start_server, stop_server = serve_process_for_module
+    prompt = [int(i) % 90 + 5 for i in range(37)]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    cached, outputs = {}, {}
+    for page_size in (1, 16):
+        server = start_server(
+            model, tmp_path_factory.mktemp(f"serve-page{page_size}"), "--engine-path", "paged",
+            "--page-size", str(page_size),
+        )  # fmt: skip
+        try:
+            first, second = (server.call("/generate", body)[1] for _ in range(2))
+        finally:
+            stop_server(server)
+        assert first["meta_info"]["cached_tokens"] == 0
+        assert first["output_ids"] == second["output_ids"]
+        cached[page_size] = second["meta_info"]["cached_tokens"]
+        outputs[page_size] = second["output_ids"]
+    assert cached == {1: 36, 16: 32}
+    assert outputs[1] == outputs[16]

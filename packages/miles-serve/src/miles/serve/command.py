@@ -77,6 +77,22 @@ import click
     "max_position_embeddings).",
 )
 @click.option(
+    "--max-total-tokens",
+    type=int,
+    default=None,
+    help="Paged path: the KV cache's size in tokens, as SGLang's flag (default: what "
+    "--mem-fraction of the GPU holds; on a CPU, 65536). The served context is at most this.",
+)
+@click.option(
+    "--page-size",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Paged path: tokens per KV page, as SGLang's flag. The prefix cache reuses whole pages, "
+    "so 1 (SGLang's default) reuses every shared prompt token; larger pages trade that for "
+    "fewer page-table entries.",
+)
+@click.option(
     "--shutdown-timeout",
     type=float,
     default=30.0,
@@ -101,6 +117,8 @@ def serve(
     allow_origin: tuple[str, ...],
     weight_timeout: float,
     context_length: int | None,
+    max_total_tokens: int | None,
+    page_size: int,
     shutdown_timeout: float,
 ) -> None:
     """Serve TARGET (a Hugging Face checkpoint directory, a recipe or a CONFIG.yaml) with
@@ -110,6 +128,10 @@ def serve(
         raise click.BadParameter("--max-batch-size and --max-queue must be at least 1")
     if context_length is not None and context_length < 2:
         raise click.BadParameter(f"--context-length must be at least 2, got {context_length}")
+    if page_size < 1:
+        raise click.BadParameter(f"--page-size must be at least 1, got {page_size}")
+    if max_total_tokens is not None and max_total_tokens < 2:
+        raise click.BadParameter(f"--max-total-tokens must be at least 2, got {max_total_tokens}")
     for name, value in (
         ("--max-body-mb", max_body_mb),
         ("--weight-timeout", weight_timeout),
@@ -129,6 +151,12 @@ def serve(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     click.echo(f"miles serve: loading {model_path} on {device} ({dtype})", err=True)
+    from miles.torch.engine.config import TorchEngineConfig
+
+    # The paged path's KV cache and its longest request follow the served context (not the
+    # engine's rollout default), so a request the server accepts is one the engine can run.
+    context = context_length or _model_context(model_path)
+    on_cpu = not device.startswith("cuda")
     engine = TorchRolloutEngine(
         model_path,
         device=device,
@@ -137,7 +165,22 @@ def serve(
         seed=seed,
         record_routing="ids" if record_routing else "off",
         path=engine_path,  # type: ignore[arg-type]  # click.Choice checked it
+        paged=TorchEngineConfig(
+            max_batch_size=max_batch_size,
+            max_context=context,
+            page_size=page_size,
+            kv_cache_tokens=max_total_tokens or (_CPU_KV_TOKENS if on_cpu else None),
+        ),
     )
+    # A paged engine runs no request longer than its KV cache: that bounds the served context.
+    kv_tokens = engine.health().get("kv_cache_tokens")
+    served_context = min(context, int(kv_tokens)) if kv_tokens else context
+    if served_context < context:
+        click.echo(
+            f"miles serve: context {served_context} tokens (the KV cache's size; the model "
+            f"allows {context}: --max-total-tokens raises it)",
+            err=True,
+        )
     # Control and weight endpoints always need a key: without --api-key the server makes one,
     # readable by this user only; generation stays open on loopback (as SGLang's is there).
     open_generation = False
@@ -159,7 +202,7 @@ def serve(
         max_body_mb=max_body_mb,
         record_routing=record_routing,
         weight_timeout_s=weight_timeout,
-        max_context=context_length,
+        max_context=served_context,
     )
     app = build_app(engine, settings, exit_deadline_s=shutdown_timeout + _EXIT_MARGIN_S)
     uvicorn.run(
@@ -174,6 +217,22 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# The paged path's KV cache on a CPU, in tokens, unless --max-total-tokens says otherwise (a GPU's
+# follows its free memory).
+_CPU_KV_TOKENS = 65536
+
+
+def _model_context(model_path: str) -> int:
+    """The longest sequence the model's config allows (max_position_embeddings; of the text
+    config for a multimodal one)."""
+    import json
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    text = config.get("text_config") or {}
+    found = config.get("max_position_embeddings") or text.get("max_position_embeddings")
+    return int(found) if found else 1 << 20
 
 
 # After the drain, the app's own shutdown (engine, groups) gets this long before the process
