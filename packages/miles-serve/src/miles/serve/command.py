@@ -8,8 +8,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from miles.torch.engine.engine import TorchRolloutEngine
 
 
 @click.command()
@@ -146,41 +150,14 @@ def serve(
 
     from miles.serve.server import ServeSettings, build_app
     from miles.sglang.serve_keys import LOOPBACK, write_key
-    from miles.torch.engine.engine import TorchRolloutEngine
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     click.echo(f"miles serve: loading {model_path} on {device} ({dtype})", err=True)
-    from miles.torch.engine.config import TorchEngineConfig
-
-    # The paged path's KV cache and its longest request follow the served context (not the
-    # engine's rollout default), so a request the server accepts is one the engine can run.
-    context = context_length or _model_context(model_path)
-    on_cpu = not device.startswith("cuda")
-    engine = TorchRolloutEngine(
-        model_path,
-        device=device,
-        dtype=dtype,
-        max_batch_size=max_batch_size,
-        seed=seed,
-        record_routing="ids" if record_routing else "off",
-        path=engine_path,  # type: ignore[arg-type]  # click.Choice checked it
-        paged=TorchEngineConfig(
-            max_batch_size=max_batch_size,
-            max_context=context,
-            page_size=page_size,
-            kv_cache_tokens=max_total_tokens or (_CPU_KV_TOKENS if on_cpu else None),
-        ),
-    )
-    # A paged engine runs no request longer than its KV cache: that bounds the served context.
-    kv_tokens = engine.health().get("kv_cache_tokens")
-    served_context = min(context, int(kv_tokens)) if kv_tokens else context
-    if served_context < context:
-        click.echo(
-            f"miles serve: context {served_context} tokens (the KV cache's size; the model "
-            f"allows {context}: --max-total-tokens raises it)",
-            err=True,
-        )
+    engine, served_context = _load_engine(
+        model_path, device, dtype, max_batch_size, seed, engine_path, record_routing,
+        context_length, max_total_tokens, page_size,
+    )  # fmt: skip
     # Control and weight endpoints always need a key: without --api-key the server makes one,
     # readable by this user only; generation stays open on loopback (as SGLang's is there).
     open_generation = False
@@ -217,6 +194,46 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _load_engine(
+    model_path: str, device: str, dtype: str, max_batch_size: int, seed: int, engine_path: str,
+    record_routing: bool, context_length: int | None, max_total_tokens: int | None,
+    page_size: int,
+) -> tuple[TorchRolloutEngine, int]:  # fmt: skip
+    """The engine, loaded, and the context it serves. The paged path's KV cache and longest
+    request follow the served context (not the engine's rollout default), so a request the server
+    accepts is one the engine can run."""
+    from miles.torch.engine.config import TorchEngineConfig
+    from miles.torch.engine.engine import TorchRolloutEngine
+
+    context = context_length or _model_context(model_path)
+    on_cpu = not device.startswith("cuda")
+    engine = TorchRolloutEngine(
+        model_path,
+        device=device,
+        dtype=dtype,
+        max_batch_size=max_batch_size,
+        seed=seed,
+        record_routing="ids" if record_routing else "off",
+        path=engine_path,  # type: ignore[arg-type]  # click.Choice checked it
+        paged=TorchEngineConfig(
+            max_batch_size=max_batch_size,
+            max_context=context,
+            page_size=page_size,
+            kv_cache_tokens=max_total_tokens or (_CPU_KV_TOKENS if on_cpu else None),
+        ),
+    )
+    # A paged engine runs no request longer than its KV cache: that bounds the served context.
+    kv_tokens = engine.health().get("kv_cache_tokens")
+    served_context = min(context, int(kv_tokens)) if kv_tokens else context
+    if served_context < context:
+        click.echo(
+            f"miles serve: context {served_context} tokens (the KV cache's size; the model "
+            f"allows {context}: --max-total-tokens raises it)",
+            err=True,
+        )
+    return engine, served_context
 
 
 # The paged path's KV cache on a CPU, in tokens, unless --max-total-tokens says otherwise (a GPU's
