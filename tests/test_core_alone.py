@@ -179,7 +179,10 @@ def test_run_names_the_packages_of_the_defaults(runtime_venv: Path, tmp_path: Pa
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "rollout: unknown rollout_backend 'torch'" in proc.stderr
-    assert "pip install miles-torch miles-rollouts miles-rewards miles-losses miles-precision" in proc.stderr
+    assert (
+        "pip install miles-torch miles-rollouts miles-rewards miles-losses miles-precision"
+        in proc.stderr
+    )
 
 
 def test_the_generic_estimate_counts_llama_exactly() -> None:

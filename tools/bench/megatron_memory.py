@@ -68,8 +68,8 @@ def _batch(vocab: int, tokens: int, seqs: int) -> PackedBatch:
 
 
 def _plan(config: dict, tokens: int, checkpointing: bool) -> float:
-    from miles.core.registry.families import family_of_config
     from miles.core.contracts.memory import Layout, TrainInputs
+    from miles.core.registry.families import family_of_config
     from miles.megatron.config import MegatronConfig
     from miles.megatron.memory import megatron_memory
 
@@ -92,8 +92,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="8192,16384", help="micro-batch tokens to try")
     parser.add_argument("--out", default="/tmp/megatron_memory.md")
     args = parser.parse_args()
-    from miles.runtime.cluster.process import free_port
     from miles.megatron.testing import make_trainer
+    from miles.runtime.cluster.process import free_port
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -326,8 +326,8 @@ def plain_broadcast_gbps(sizes: list[int], cpu: bool) -> dict[int, float]:
 
 
 def disaggregated(args: argparse.Namespace) -> None:
-    from miles.runtime.cluster.process import free_port
     from miles.precision.dtype import bf16
+    from miles.runtime.cluster.process import free_port
     from miles.torch.testing import make_tiny_model, make_trainer
 
     where = "gloo on CPU (smoke run)" if args.cpu else require_two_gpus()
