@@ -30,8 +30,9 @@ from typing import Any
 from miles.core.contracts.types import GenerateRequest, GenerateResult, SamplingParams
 
 Deliver = Callable[["Finished"], None]
-# A streamed prompt's response so far (ids, logprobs), after each model step.
-OnTokens = Callable[[list[int], list[float]], None]
+# A streamed prompt's response so far (ids, logprobs), after each model step, and the
+# `Finished` fields top_logprobs, prompt_logprobs and prompt_top_logprobs so far (None: not asked).
+OnTokens = Callable[[list[int], list[float], dict[str, Any]], None]
 
 
 class QueueFull(RuntimeError):
@@ -216,12 +217,28 @@ class EngineHost:
                 self._lock.notify_all()
             self._slots.release()
 
-    def _progress(self, request_id: int, response_ids: list[int], logprobs: list[float]) -> None:
+    def _progress(
+        self,
+        request_id: int,
+        response_ids: list[int],
+        logprobs: list[float],
+        extras: dict[str, Any] | None = None,
+    ) -> None:
         """After a model step (on the engine's thread): a streamed prompt's tokens so far,
-        joined to what it made before a retraction."""
+        joined to what it made before a retraction (its top and prompt logprobs too)."""
         job = self._running.get(request_id)
-        if job is not None and job.on_tokens is not None:
-            job.on_tokens(job.done_ids + response_ids, job.done_logprobs + logprobs)
+        if job is None or job.on_tokens is None:
+            return
+        extras, first = extras or {}, job.first_part  # first: the part before a retraction
+        top = extras.get("top_logprobs")
+        prompt = {k: extras.get(k) for k in ("prompt_logprobs", "prompt_top_logprobs")}
+        if first is not None:  # a resumed part's prompt holds the earlier tokens
+            prompt = {k: getattr(first, k) for k in prompt}
+        job.on_tokens(
+            job.done_ids + response_ids,
+            job.done_logprobs + logprobs,
+            {"top_logprobs": None if top is None else job.done_top + top, **prompt},
+        )
 
     def _finish(self, result: GenerateResult) -> None:
         with self._lock:

@@ -4,7 +4,10 @@ engine: `input` (a string, or messages whose content is a string or input_text p
 
 Stateless: nothing is stored, so `previous_response_id` and `store: true` are refused, as are
 built-in tools and streaming (`docs/serve.md` lists them). Function tools go to the chat template
-like chat's `tools`; their calls come back as the model's text.
+like chat's `tools`; their calls come back as the model's text. SGLang's sampling extras of this
+endpoint (`frequency_penalty`, `presence_penalty`, `repetition_penalty`, `top_k`, `min_p`,
+`stop`) and `chat_template_kwargs` are honoured as on chat. Errors are the Responses API's nested
+object (`openai.responses_error_body`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from miles.serve.serving import (
     new_rid,
     prompt_ids,
     read_body,
+    refuse_rejected,
     submit,
 )
 from miles.sglang import protocol as wire
@@ -46,7 +50,18 @@ RESPONSES_FIELDS: dict[str, tuple[type | None, ...]] = {
     "previous_response_id": (str, None),
     "parallel_tool_calls": (bool, None),
     "truncation": (str, None),
+    # SGLang's extras of its ResponsesRequest.
+    "frequency_penalty": (float, int, None),
+    "presence_penalty": (float, int, None),
+    "repetition_penalty": (float, int, None),
+    "top_k": (int, None),
+    "min_p": (float, int, None),
+    "stop": (str, list, None),
+    "chat_template_kwargs": (dict, None),
 }
+# Body fields that are /generate sampling_params of the same name.
+_SAMPLING_KEYS = ("temperature", "top_p", "frequency_penalty", "presence_penalty",
+                  "repetition_penalty", "top_k", "min_p", "stop")  # fmt: skip
 _WHERE = "/v1/responses"
 
 
@@ -57,9 +72,16 @@ def add_responses_route(app: FastAPI, state: ServeState) -> None:
         _refuse_unsupported(body)
         check_serving(state)
         messages = _messages(body)
-        ids = chat_prompt(state, {"messages": messages, "tools": _function_tools(body)})
+        ids = chat_prompt(
+            state,
+            {
+                "messages": messages,
+                "tools": _function_tools(body),
+                "chat_template_kwargs": body.get("chat_template_kwargs"),
+            },
+        )
         sampling = wire.parse_sampling(
-            {k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None}, _WHERE
+            {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}, _WHERE
         )
         sampling.max_new_tokens = body.get("max_output_tokens")
         fmt = (body.get("text") or {}).get("format")
@@ -69,6 +91,7 @@ def add_responses_route(app: FastAPI, state: ServeState) -> None:
             sampling.response_format = fmt
         item = GenerateItem(rid=new_rid(), sampling=sampling, input_ids=ids)
         done = await submit(state, item, prompt_ids(state, item))
+        refuse_rejected(done)
         return JSONResponse(_response(state, body, item, answer(state, item, done), done))
 
 
@@ -76,9 +99,16 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     if body.get("stream"):
         raise BadRequest(f"{_WHERE}: stream is not supported by miles serve (use stream: false, "
                          "or /v1/chat/completions, which streams)")  # fmt: skip
-    if body.get("previous_response_id") or body.get("store"):
+    previous = body.get("previous_response_id")
+    if previous is not None and not previous.startswith("resp"):  # SGLang's check and words
+        raise BadRequest(
+            f"Invalid 'response_id': '{previous}'. Expected an ID that begins with 'resp'.",
+            param="response_id",
+        )
+    if previous or body.get("store"):
         raise BadRequest(f"{_WHERE}: miles serve stores no responses: send the whole "
-                         "conversation as input, with store: false")  # fmt: skip
+                         "conversation as input, with store: false",
+                         param="previous_response_id" if previous else "store")  # fmt: skip
     for tool in body.get("tools") or []:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else tool
@@ -168,5 +198,8 @@ def _response(
             "output_tokens": output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": len(done.prompt_ids) + output_tokens,
+            # SGLang 0.5's names of the same counts (its usage was the chat UsageInfo).
+            "prompt_tokens": len(done.prompt_ids),
+            "completion_tokens": output_tokens,
         },
     }

@@ -56,6 +56,9 @@ def add_info_routes(app: FastAPI, state: ServeState) -> None:
     @app.get("/server_info")
     async def server_info() -> JSONResponse:
         health = state.engine.health()
+        # SGLang's KV pool size in tokens (what /get_memory_pool_size answers). The hf path has
+        # no pool (it allocates per batch): the context length, the most one request may hold.
+        pool = health.get("kv_cache_tokens")
         return JSONResponse(
             {
                 "version": SGLANG_PROTOCOL,
@@ -68,6 +71,7 @@ def add_info_routes(app: FastAPI, state: ServeState) -> None:
                 "max_batch_size": settings.max_batch_size,
                 "max_queue": settings.max_queue,
                 "context_length": state.max_context,
+                "max_total_num_tokens": int(pool) if pool is not None else state.max_context,
                 "weight_version": state.version_label,
                 # SGLang's server argument of the same meaning.
                 "enable_return_routed_experts": settings.record_routing,

@@ -17,6 +17,7 @@ from miles.serve.serving import (
     new_rid,
     prompt_ids,
     read_body,
+    refuse_rejected,
     stream_answer,
     submit,
 )
@@ -47,6 +48,8 @@ def add_generation_routes(app: FastAPI, state: ServeState) -> None:
             )
         waits = [submit(state, item, ids) for item, ids in zip(call.items, prompts, strict=True)]
         done = await asyncio.gather(*waits)
+        for finished in done:
+            refuse_rejected(finished)
         answers = [answer(state, item, f) for item, f in zip(call.items, done, strict=True)]
         return JSONResponse(answers if call.batch else answers[0])
 

@@ -22,7 +22,9 @@ from miles.serve.serving import (
     new_rid,
     prompt_ids,
     read_body,
+    refuse_rejected,
     submit,
+    vocab_size,
 )
 from miles.sglang import openai
 from miles.sglang import protocol as wire
@@ -151,6 +153,8 @@ async def _respond(
                                 rid, model, work, text_of)  # fmt: skip
         return StreamingResponse(chunks, media_type="text/event-stream")
     finished = await asyncio.gather(*(submit(state, item, ids) for _, item, ids in work))
+    for done in finished:
+        refuse_rejected(done)
     choices = [
         Choice(index, ids, answer(state, item, done))
         for (index, item, ids), done in zip(work, finished, strict=True)
@@ -188,9 +192,12 @@ async def _score(state: ServeState, body: dict[str, Any]) -> tuple[list[list[flo
     query + item (item + query with item_first), renormalised over the labels with
     apply_softmax. One prompt-logprob request per (item, label), the label appended."""
     labels = body["label_token_ids"]
-    vocab = int(getattr(state.engine.model.config, "vocab_size", 0) or 0)
-    if not labels or not all(isinstance(t, int) and 0 <= t < (vocab or 1 << 62) for t in labels):
-        raise BadRequest(f"/v1/score: label_token_ids must be token ids in [0, {vocab})")
+    vocab = vocab_size(state)
+    if not labels or not all(isinstance(t, int) and not isinstance(t, bool) for t in labels):
+        raise BadRequest("/v1/score: label_token_ids must be a non-empty list of token ids")
+    for token in labels:  # SGLang's words
+        if not 0 <= token < (vocab or 1 << 62):
+            raise BadRequest(f"Token ID {token} is out of vocabulary (vocab size: {vocab})")
     query = _token_list(state, body["query"], "query")
     raw_items = body["items"] if isinstance(body["items"], list) else [body["items"]]
     if raw_items and all(isinstance(t, int) for t in raw_items):
@@ -212,6 +219,8 @@ async def _score(state: ServeState, body: dict[str, Any]) -> tuple[list[list[flo
             prompt_ids(state, item)
             requests.append(submit(state, item, item.input_ids or []))
     finished = await asyncio.gather(*requests)
+    for done in finished:
+        refuse_rejected(done)
     scores = []
     for i in range(len(joined)):
         row = []

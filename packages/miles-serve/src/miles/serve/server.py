@@ -90,23 +90,23 @@ def build_app(
         status = 413 if isinstance(exc, BodyTooLarge) else 404 if isinstance(exc, NotFound) else 400
         if request.url.path in _RESULT_PATHS:  # SGLang's {"success": false, "message"} contract
             return fail(str(exc), status)
-        return error(status, str(exc))
+        return error(status, str(exc), request.url.path, getattr(exc, "param", None))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown routes and methods: SGLang's error object, not the framework's {"detail"}.
         what = f"{request.method} {request.url.path}"
         reason = "no such endpoint" if exc.status_code == 404 else str(exc.detail)
-        return error(exc.status_code, f"{what}: {reason}")
+        return error(exc.status_code, f"{what}: {reason}", request.url.path)
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, exc: Exception) -> JSONResponse:
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
         # A bug of ours, not the client's: say what broke, in SGLang's error object.
-        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error(500, f"internal error: {type(exc).__name__}: {exc}", request.url.path)
 
     @app.exception_handler(NotServing)
-    async def not_serving(_: Request, exc: NotServing) -> JSONResponse:
-        return error(503, str(exc))
+    async def not_serving(request: Request, exc: NotServing) -> JSONResponse:
+        return error(503, str(exc), request.url.path)
 
     @app.exception_handler(LaneBusy)
     async def lane_busy(_: Request, exc: LaneBusy) -> JSONResponse:
@@ -117,8 +117,8 @@ def build_app(
         return fail(str(exc), 504)
 
     @app.exception_handler(QueueFull)
-    async def queue_full(_: Request, exc: QueueFull) -> JSONResponse:
-        return error(503, str(exc))
+    async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
+        return error(503, str(exc), request.url.path)
 
     add_generation_routes(app, state)
     add_openai_routes(app, state)
@@ -177,26 +177,26 @@ def _refusal(request: Request, settings: ServeSettings) -> JSONResponse | None:
     headers, path = request.headers, request.url.path
     origin = headers.get("origin")
     if origin is not None and origin not in settings.allowed_origins:
-        return error(403, f"cross-origin request refused (Origin: {origin[:100]})")
+        return error(403, f"cross-origin request refused (Origin: {origin[:100]})", path)
     if settings.host is not None and settings.host not in ("0.0.0.0", "::", ""):
         name = (headers.get("host") or "").rsplit(":", 1)[0].lower()
         allowed = _LOOPBACK_NAMES if settings.host in _LOOPBACK_NAMES else {settings.host}
         if name not in allowed:
-            return error(403, f"Host {name[:100]!r} is not this server's address")
+            return error(403, f"Host {name[:100]!r} is not this server's address", path)
     key = settings.api_key
     generation = path in _GENERATION_PATHS or path.startswith("/v1/models/")
     open_path = path == "/health" or (settings.open_generation and generation)
     if key and not open_path:
         given = headers.get("authorization", "").removeprefix("Bearer ").strip()
         if not secrets.compare_digest(given.encode(), key.encode()):
-            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+            return error(401, "missing or wrong API key (Authorization: Bearer KEY)", path)
     length = headers.get("content-length", "")
     if request.method == "POST" and path not in _RAW_BODY_PATHS and length != "0":
         kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if kind != "application/json":
-            return error(415, "request bodies must be JSON (Content-Type: application/json)")
+            return error(415, "request bodies must be JSON (Content-Type: application/json)", path)
     if length.isdigit() and int(length) > settings.max_body_mb * 2**20:
-        return error(413, f"request body over {settings.max_body_mb:g} MB")
+        return error(413, f"request body over {settings.max_body_mb:g} MB", path)
     return None
 
 

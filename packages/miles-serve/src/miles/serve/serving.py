@@ -21,6 +21,7 @@ from miles.serve.host import EngineHost, Finished, NotServing, OnTokens
 from miles.serve.structured import compile_constraint
 from miles.serve.weight_lane import WeightLane
 from miles.serve.weights import UpdateGroup
+from miles.sglang import openai
 from miles.sglang import protocol as wire
 from miles.sglang.protocol import BadRequest, GenerateItem
 
@@ -73,8 +74,17 @@ def new_rid() -> str:
     return secrets.token_hex(8)
 
 
-def error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(wire.error_body(message), status_code=status)
+def error(status: int, message: str, path: str = "", param: str | None = None) -> JSONResponse:
+    """The error answer of an endpoint at `path`, in the shape SGLang answers there: OpenAI's
+    (`openai.error_body`: object, message, type, param, code) under /v1, the Responses API's
+    nested object on /v1/responses, and its native `{"error": {"message"}}` elsewhere."""
+    if path == "/v1/responses" or path.startswith("/v1/responses/"):
+        body = openai.responses_error_body(message, status, param)
+    elif path.startswith("/v1/"):
+        body = openai.error_body(message, status, param)
+    else:
+        body = wire.error_body(message)
+    return JSONResponse(body, status_code=status)
 
 
 def ok(message: str) -> JSONResponse:
@@ -124,9 +134,10 @@ def prompt_ids(state: ServeState, item: GenerateItem) -> list[int]:
     ids = item.input_ids
     if ids is None:
         ids = list(state.tokenizer(item.text)["input_ids"])
-    vocab = int(getattr(state.engine.model.config, "vocab_size", 0) or 0)
+    vocab = vocab_size(state)
     if vocab and any(not 0 <= t < vocab for t in ids):
         raise BadRequest(f"request {item.rid}: input_ids must be in [0, {vocab})")
+    logit_bias(state, item.sampling)  # refused before anything streams
     check_context(state, len(ids), item.sampling.max_new_tokens)
     return ids
 
@@ -202,10 +213,35 @@ def engine_sampling(state: ServeState, item: GenerateItem, prompt_tokens: int) -
         presence_penalty=s.presence_penalty,
         repetition_penalty=s.repetition_penalty,
         stop_regex=s.stop_regex,
+        logit_bias=logit_bias(state, s),
         top_logprobs=item.top_logprobs_num,
         prompt_logprobs=item.logprob_start_len >= 0,
         constraint=grammar() if grammar is not None else None,
     )
+
+
+def logit_bias(state: ServeState, s: wire.Sampling) -> tuple[tuple[int, float], ...]:
+    """The request's logit_bias as the engine's (token, bias) pairs, its ids checked against the
+    vocabulary in SGLang's words."""
+    vocab = vocab_size(state)
+    for token in s.logit_bias:
+        if vocab and not 0 <= token < vocab:
+            raise BadRequest(f"logit_bias must has keys in [0, {vocab - 1}], got {token}.")
+    return tuple(sorted(s.logit_bias.items()))
+
+
+def vocab_size(state: ServeState) -> int:
+    """The model's vocabulary size (0: unknown)."""
+    return int(getattr(state.engine.model.config, "vocab_size", 0) or 0)
+
+
+def refuse_rejected(done: Finished) -> None:
+    """A 400 (SGLang's answer) for a request the engine refused (its argument checks: they name
+    the request), instead of a 200 with finish_reason abort; a failure of the engine itself
+    stays the abort answer, with its message. For whole answers only: a stream has already
+    sent its 200."""
+    if done.error is not None and done.error.startswith("request "):
+        raise BadRequest(f"the engine refused the request ({done.error})")
 
 
 async def generate_one(state: ServeState, item: GenerateItem) -> tuple[list[int], dict[str, Any]]:
@@ -213,6 +249,7 @@ async def generate_one(state: ServeState, item: GenerateItem) -> tuple[list[int]
     check_serving(state)
     ids = prompt_ids(state, item)
     done = await submit(state, item, ids)
+    refuse_rejected(done)
     return ids, answer(state, item, done)
 
 
@@ -223,13 +260,21 @@ def chat_prompt(state: ServeState, body: dict[str, Any]) -> list[int]:
             "/v1/chat/completions: this model's tokenizer has no chat template; send the "
             "prompt's token ids as input_ids"
         )
-    ids = tok.apply_chat_template(
-        body["messages"],
-        tools=body.get("tools"),
-        add_generation_prompt=True,
-        tokenize=True,
-        **(body.get("chat_template_kwargs") or {}),
-    )
+    messages = body["messages"]
+    # SGLang's continue_final_message: a last assistant message is continued, not closed (no new
+    # assistant turn is opened after it); with any other last message it changes nothing.
+    go_on = bool(body.get("continue_final_message")) and messages[-1].get("role") == "assistant"
+    try:
+        ids = tok.apply_chat_template(
+            messages,
+            tools=body.get("tools"),
+            add_generation_prompt=not go_on,
+            continue_final_message=go_on,
+            tokenize=True,
+            **(body.get("chat_template_kwargs") or {}),
+        )
+    except ValueError as exc:  # e.g. a template that does not render the final message as given
+        raise BadRequest(f"/v1/chat/completions: the chat template failed: {exc}") from None
     if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
@@ -293,18 +338,27 @@ def answer(state: ServeState, item: GenerateItem, done: Finished) -> dict[str, A
 def matched_stop(
     s: wire.Sampling, text: str, response_ids: list[int]
 ) -> tuple[int | str | None, int | None]:
-    """What ended a stopped response (a stop token id, a stop string, the text a stop_regex
-    matched, or the EOS id) and where the text is cut (None: not cut)."""
+    """What ended a stopped response (a stop token id, a stop string, the stop_regex pattern that
+    matched, or the EOS id) and where the text is cut (None: not cut).
+
+    As SGLang: a stop_regex's `matched` is the pattern itself (FINISHED_MATCHED_REGEX), and its
+    text is cut the way SGLang cuts any string `matched`, at the first occurrence of that string
+    in the text; a pattern that does not occur literally (most do not) leaves the text whole,
+    the matched text included."""
     last = response_ids[-1] if response_ids else None
     if last is not None and last in s.stop_token_ids:
         return last, None
-    found = [(text.find(x), x) for x in s.stop if x in text]
+    found: list[tuple[int, str, int | None]] = []  # (where it matched, matched, the cut)
+    for stop in s.stop:
+        if (at := text.find(stop)) >= 0:
+            found.append((at, stop, at))
     for pattern in s.stop_regex:
         if (m := re.search(pattern, text)) is not None:
-            found.append((m.start(), m.group(0)))
+            at = text.find(pattern)
+            found.append((m.start(), pattern, at if at >= 0 else None))
     if found:
-        start, hit = min(found)
-        return hit, start
+        _, hit, cut = min(found, key=lambda f: f[0])
+        return hit, cut
     return last, None
 
 
@@ -329,20 +383,45 @@ def add_prompt_logprobs(
 
 class Progress:
     """A streamed prompt's latest tokens, handed from the engine's thread to the event loop.
-    Only the newest state is kept: a slow client gets fewer, fuller chunks."""
+    Only the newest state is kept: a slow client gets fewer, fuller chunks. With top logprobs
+    (prompt logprobs) asked, `top_logprobs` (`prompt_logprobs`, `prompt_top_logprobs`) come
+    too, as in `Finished`; else None."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.changed = asyncio.Event()
         self.ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] | None = None
+        self.prompt_logprobs: list[float] | None = None
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
-    def update(self, ids: list[int], logprobs: list[float]) -> None:  # on the engine's thread
-        snapshot = (list(ids), list(logprobs))
+    def update(
+        self, ids: list[int], logprobs: list[float], extras: Mapping[str, Any] | None = None
+    ) -> None:  # on the engine's thread
+        extras = extras or {}
+        top, prompt, prompt_top = (
+            extras.get(k) for k in ("top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
+        )
+        # One consistent length: another engine call's step may be appending meanwhile.
+        n = min(len(ids), len(logprobs), len(top) if top is not None else len(ids))
+        snapshot = (
+            ids[:n],
+            logprobs[:n],
+            None if top is None else top[:n],
+            None if prompt is None else list(prompt),
+            None if prompt_top is None else list(prompt_top),
+        )
         self._loop.call_soon_threadsafe(self._set, snapshot)
 
-    def _set(self, snapshot: tuple[list[int], list[float]]) -> None:
-        self.ids, self.logprobs = snapshot
+    def _set(self, snapshot: tuple[Any, ...]) -> None:
+        (
+            self.ids,
+            self.logprobs,
+            self.top_logprobs,
+            self.prompt_logprobs,
+            self.prompt_top_logprobs,
+        ) = snapshot
         self.changed.set()
 
 

@@ -6,14 +6,19 @@ objects (whole, and the chunks of a stream) from /generate answers. The routes l
 SGLang's extensions: `return_token_ids` (a choice's `token_ids`, and `prompt_token_ids`),
 `return_prompt_token_ids`, `return_meta_info` (the /generate `meta_info` on each choice), chat's
 `input_ids` (a prompt already tokenized, so an agent's turns train on exactly the tokens the model
-saw), `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_regex`, `no_stop_trim`, `regex`,
-`ebnf`, `json_schema`, and `matched_stop` on each choice.
+saw) and `continue_final_message`, `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`stop_regex`, `no_stop_trim`, `regex`, `ebnf`, `json_schema`, and `matched_stop` on each choice.
+OpenAI's `logit_bias` ({"token id": bias}) is SGLang's sampling_params `logit_bias`.
+
+Errors: SGLang's `ErrorResponse` (`error_body`) on these endpoints, and on /v1/responses the nested
+object OpenAI's Responses API answers (`responses_error_body`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 from miles.sglang import protocol as wire
@@ -49,6 +54,7 @@ _COMMON: dict[str, tuple[type | None, ...]] = {
     "return_meta_info": (bool,),
     "skip_special_tokens": (bool,),
     "rid": (str, None),
+    "logit_bias": (dict, None),
 }
 COMPLETION_FIELDS: dict[str, tuple[type | None, ...]] = {
     **_COMMON,
@@ -65,10 +71,12 @@ CHAT_FIELDS: dict[str, tuple[type | None, ...]] = {
     "tools": (list, None),
     "tool_choice": (str, dict, None),
     "chat_template_kwargs": (dict, None),
+    # SGLang's: the last message, the assistant's, is continued (no new assistant turn opened).
+    "continue_final_message": (bool,),
 }
 # OpenAI and SGLang fields this server does not implement: accepted at their defaults only, else
 # a 400 naming the field (docs/serve.md says why each is missing).
-_UNSUPPORTED = ("logit_bias", "best_of", "suffix", "parallel_tool_calls", "min_tokens",
+_UNSUPPORTED = ("best_of", "suffix", "parallel_tool_calls", "min_tokens",
                 "separate_reasoning", "stream_reasoning", "reasoning_effort", "modalities",
                 "audio", "prediction", "structural_tag", "lora_path")  # fmt: skip
 STREAM_OPTION_FIELDS: dict[str, tuple[type | None, ...]] = {
@@ -83,7 +91,7 @@ MAX_COMPLETION_LOGPROBS = 20
 # Body fields that are /generate sampling_params of the same name.
 _SAMPLING_KEYS = ("top_k", "min_p", "stop", "stop_token_ids", "stop_regex", "ignore_eos",
                   "no_stop_trim", "skip_special_tokens", "frequency_penalty", "presence_penalty",
-                  "repetition_penalty", "regex", "ebnf", "json_schema")  # fmt: skip
+                  "repetition_penalty", "regex", "ebnf", "json_schema", "logit_bias")  # fmt: skip
 
 
 @dataclass
@@ -364,3 +372,34 @@ def chat_response(
         "choices": [chat_choice(request, choice, text_of)],
         "usage": usage([prompt], [choice], int(answer["meta_info"].get("cached_tokens", 0))),
     }
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+# SGLang's ErrorResponse `type` for the statuses its OpenAI handlers answer; other statuses get
+# their HTTP reason phrase as a class-like name ("ServiceUnavailableError").
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+
+
+def error_type(status: int) -> str:
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+    return "".join(word.capitalize() for word in phrase.replace("-", " ").split()) + "Error"
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """SGLang's ErrorResponse of its OpenAI endpoints (object, message, type, param, code: the
+    HTTP status), with the same fields under "error" as well: the shape OpenAI's own API answers,
+    which its clients (and Miles' own) read first."""
+    fields = {"message": message, "type": error_type(status), "param": param, "code": status}
+    return {"object": "error", **fields, "error": dict(fields)}
+
+
+def responses_error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """SGLang's /v1/responses error: OpenAI's nested error object."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -25,6 +25,14 @@ def hold_back(text: str, stops: tuple[str, ...]) -> str:
     return text[:keep]
 
 
+def chat_delta(content: str | None, role: bool = False) -> dict[str, Any]:
+    """A chat chunk's delta as SGLang serializes it: reasoning_content and tool_calls are always
+    there (null here: miles serve parses neither), so clients may read them off any chunk; the
+    role only in each choice's first chunk; content null in the last one (finish_reason)."""
+    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+    return {**delta, "content": content, "reasoning_content": None, "tool_calls": None}
+
+
 def finished_stream(
     request: OpenAIRequest, kind: str, model: str, choice: Choice, text_of: Callable[[int], str]
 ) -> list[bytes]:
@@ -51,7 +59,7 @@ def finished_stream(
     def part(piece: str, first: bool = False) -> dict[str, Any]:
         if not chat:
             return {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
-        delta = {"role": "assistant", "content": piece} if first else {"content": piece}
+        delta = chat_delta(piece, role=first)
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
 
     usage = openai.usage(
@@ -62,7 +70,7 @@ def finished_stream(
     out += [event([part(piece)], every) for piece in pieces]
     last: dict[str, Any] = {"index": 0, "finish_reason": openai.finish(result)}
     if chat:
-        last["delta"] = {}
+        last["delta"] = chat_delta(None)
         last["logprobs"] = (
             openai.chat_logprobs(result, request.top_logprobs, text_of)
             if request.logprobs

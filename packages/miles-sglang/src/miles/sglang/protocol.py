@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # -- /generate request -------------------------------------------------------------------------
@@ -69,12 +69,16 @@ SAMPLING_FIELDS: dict[str, tuple[type | None, ...]] = {
     "json_schema": (str, None),
     "regex": (str, None),
     "ebnf": (str, None),
+    "logit_bias": (dict, None),
 }
 SAMPLING_UNSUPPORTED: tuple[str, ...] = (
-    "min_new_tokens", "structural_tag", "custom_params", "logit_bias", "stream_interval", "dtype",
+    "min_new_tokens", "structural_tag", "custom_params", "stream_interval", "dtype",
 )  # fmt: skip
 MAX_N = 64  # samples of one prompt in one request
 MAX_TOP_LOGPROBS = 20
+# A logit_bias beyond this is refused: SGLang sets no bound, but a bias this large already decides
+# every draw, and a larger one could overflow float32 logits (OpenAI documents [-100, 100]).
+MAX_LOGIT_BIAS = 1e6
 SAMPLING_DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 128,
     "temperature": 1.0,
@@ -96,6 +100,7 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "json_schema": None,
     "regex": None,
     "ebnf": None,
+    "logit_bias": None,
 }
 
 # -- /generate response ------------------------------------------------------------------------
@@ -173,7 +178,12 @@ RESULT_FIELDS = ("success", "message")
 
 
 class BadRequest(ValueError):
-    """A request the protocol refuses: the server answers 400 with this message."""
+    """A request the protocol refuses: the server answers 400 with this message. `param`: the
+    request field at fault, for the OpenAI error object's `param` (None: not named)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class NotFound(BadRequest):
@@ -256,6 +266,9 @@ class Sampling:
     regex: str | None = None
     ebnf: str | None = None
     response_format: dict[str, Any] | None = None
+    # logit_bias: token id -> bias added to its logit (keys checked against the vocabulary by the
+    # server, which knows it).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -328,7 +341,27 @@ def parse_sampling(params: Any, where: str) -> Sampling:
         json_schema=p["json_schema"],
         regex=p["regex"],
         ebnf=p["ebnf"],
+        logit_bias=check_logit_bias(p["logit_bias"], where),
     )
+
+
+def check_logit_bias(value: Any, where: str) -> dict[int, float]:
+    """SGLang's logit_bias ({"token id": bias}, the ids as JSON object keys, so strings) as
+    {id: bias}; the ids' upper bound is the server's to check (the vocabulary)."""
+    out: dict[int, float] = {}
+    for key, bias in (value or {}).items():
+        token = str(key).strip()
+        if not token.lstrip("-").isdigit():
+            raise BadRequest(f"{where}: logit_bias keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise BadRequest(f"{where}: logit_bias[{key!r}] must be a number, got {bias!r}")
+        if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+            raise BadRequest(
+                f"{where}: logit_bias[{key!r}] must be in [-{MAX_LOGIT_BIAS:g}, "
+                f"{MAX_LOGIT_BIAS:g}], got {bias}"
+            )
+        out[int(token)] = float(bias)
+    return out
 
 
 def nth_sample(sampling: Sampling, j: int) -> Sampling:

@@ -8,6 +8,7 @@ numpy arrays (`PackedBatch`), not as many Python objects.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -82,6 +83,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # Stop once the response's text matches one of these regular expressions (SGLang's stop_regex).
     stop_regex: tuple[str, ...] = ()
+    # OpenAI's and SGLang's logit_bias: (token id, bias) pairs, each bias added to its token's
+    # logit before sampling (after penalties and a constraint's mask), so the response's logprobs
+    # are those of the biased distribution, as SGLang's are.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # The k most likely tokens and their logprobs at each response position (0: none).
     top_logprobs: int = 0
     # Also the logprob of each prompt token after the first, given the tokens before it (and its
@@ -99,6 +104,11 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not math.isfinite(bias):
+                raise ValueError(
+                    f"logit_bias needs token ids >= 0 and finite biases, got {token}: {bias}"
+                )
 
     @property
     def penalized(self) -> bool:

@@ -11,8 +11,8 @@ import base64
 import binascii
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -43,8 +43,29 @@ from miles.torch.sync.checksum import tensors_checksum
 from miles.torch.sync.receiver import WeightReceiver
 from miles.torch.weights import named_state
 
-# (request id, response ids so far, their logprobs): a request's progress after a model step.
-Progress = Callable[[int, list[int], list[float]], None]
+
+class Progress(Protocol):
+    """A request's progress after a model step: (request id, response ids so far, their
+    logprobs), and only for a request that asked for top logprobs or prompt logprobs a fourth
+    argument, its `logits.result_fields` so far (the engine's own lists: copy what you keep)."""
+
+    def __call__(
+        self,
+        request_id: int,
+        response_ids: list[int],
+        logprobs: list[float],
+        extras: dict[str, Any] | None = None,
+        /,
+    ) -> None: ...
+
+
+def _report(on_progress: Progress, row: Row | Sequence) -> None:
+    """Tell `on_progress` an unfinished row's tokens so far (`Progress`)."""
+    sampling, request_id = row.request.sampling, row.request.request_id
+    if sampling.top_logprobs or sampling.prompt_logprobs:
+        on_progress(request_id, row.response, row.logprobs, result_fields(row))
+    else:
+        on_progress(request_id, row.response, row.logprobs)
 
 
 def _runs(request: GenerateRequest) -> bool:
@@ -165,8 +186,8 @@ class TorchRolloutEngine:
         """Stream the results of the requests as they finish, those finished by the same model
         step together (one message each, not one per request); argument checks run now, not
         lazily. `results` streams them one by one. `on_progress(request_id, response_ids,
-        logprobs)` sees each unfinished request's tokens so far after every model step (the
-        lists are the engine's own: copy what you keep).
+        logprobs[, extras])` sees each unfinished request's tokens so far after every model step
+        (`Progress`: the lists are the engine's own, copy what you keep).
 
         Beyond plain sampling a request may ask for (`SamplingParams`): ignore_eos, penalties,
         stop_regex, top_logprobs (at most `stops.MAX_TOP_LOGPROBS`), prompt_logprobs (raw, at
@@ -182,7 +203,7 @@ class TorchRolloutEngine:
                 raise ValueError(f"request {r.request_id}: empty prompt")
             if r.sampling.max_new_tokens < 0:
                 raise ValueError(f"request {r.request_id}: max_new_tokens must be >= 0")
-            check_request(r)
+            check_request(r, getattr(self.model.config, "vocab_size", None))
         return self._run(list(requests), on_progress)
 
     def results(self, requests: list[GenerateRequest]) -> Iterator[GenerateResult]:
@@ -213,7 +234,7 @@ class TorchRolloutEngine:
                 batches, finished = self._hf.step(batches, pending)
             if on_progress is not None:
                 for row in (row for batch in batches for row in batch.rows if not row.done):
-                    on_progress(row.request.request_id, row.response, row.logprobs)
+                    _report(on_progress, row)
             if finished:
                 yield finished
 
@@ -240,7 +261,7 @@ class TorchRolloutEngine:
             if on_progress is not None:
                 for seq in pending:
                     if seq.status is not Status.FINISHED and seq.response:
-                        on_progress(seq.request.request_id, seq.response, seq.logprobs)
+                        _report(on_progress, seq)
             if finished:
                 pending = [s for s in pending if s.status is not Status.FINISHED]
                 yield [self._paged_result(s) for s in finished]

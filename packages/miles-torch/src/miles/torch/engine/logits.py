@@ -1,7 +1,7 @@
 """What a request may ask of the logits beyond plain sampling, on both generation loops.
 
 Before sampling (`LogitsProcessor`, only for batches whose host-side flags say a row needs it:
-`SamplingTensors.penalized` / `.constrained`; other batches never get here):
+`SamplingTensors.penalized` / `.constrained` / `.biased`; other batches never get here):
 
 - penalties, in vLLM's order: the repetition penalty (CTRL, Hugging Face's
   `RepetitionPenaltyLogitsProcessor`) on every token of the prompt or the response, logit / p if
@@ -9,10 +9,14 @@ Before sampling (`LogitsProcessor`, only for batches whose host-side flags say a
   counting the response's tokens only.
 - a structured-output constraint (`TokenConstraint`): the tokens its bitmask does not allow get
   -inf; the row's constraint then accepts the token sampled (`stops.StopChecker`).
+- a logit bias (OpenAI's and SGLang's `logit_bias`): each (token, bias) pair of the row adds the
+  bias to that token's logit, last, as SGLang's `apply_logits_bias` does (a masked token stays
+  -inf).
 
-Both act on the raw logits, before temperature and the top-k/top-p/min-p filters, and the row
-samples from what they leave: its logprobs and top logprobs are those of the penalized, masked
-distribution (the behaviour policy). Rows of the batch without them are left as they are.
+All act on the raw logits, before temperature and the top-k/top-p/min-p filters, and the row
+samples from what they leave: its logprobs and top logprobs are those of the penalized, masked,
+biased distribution (the behaviour policy; SGLang's logprobs are of the biased distribution too).
+Rows of the batch without them are left as they are.
 
 After sampling: the top-k logprobs of each response token (`sampler.top_k_logprobs`) and the
 prompt's logprobs (`prompt_logprobs`), which are raw: log_softmax of the model's logits at
@@ -65,7 +69,7 @@ def sample_rows(
     """One token per row of `logits` ([rows, vocab], one row each of `rows`), after the rows'
     penalties and constraints: (the tokens, `pack`ed tokens, logprobs and top logprobs), both
     on the device."""
-    if params.penalized or params.constrained:
+    if params.penalized or params.constrained or params.biased:
         logits = processor(logits, rows, params)
     tokens, logprobs = sample(logits, params, generator, counters)
     top = top_k_logprobs(logits, params) if params.top_logprobs else None
@@ -90,7 +94,8 @@ class LogitsProcessor:
     and response. Constraint bitmasks are filled on the host, one row per constrained row that
     samples, and unpacked on the device. `constraint_vocab`: the vocabulary the
     constraints' bitmasks cover (ceil(constraint_vocab / 32) int32 words a row); logits past it
-    (a model's padded vocabulary) are never allowed.
+    (a model's padded vocabulary) are never allowed. Logit biases are static per request: their
+    (row, token, bias) triples go to the device once while the batch's rows stay the same.
     """
 
     def __init__(self, constraint_vocab: int) -> None:
@@ -100,6 +105,8 @@ class LogitsProcessor:
         self._picked: list[int] = []  # their indices among the batch's rows
         self._index = torch.zeros(0, dtype=torch.int64)
         self._counts = self._seen = self._params = torch.zeros(0)
+        self._bias_rows: list[RowState] = []  # the rows the bias triples below are of
+        self._bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[RowState], params: SamplingTensors
@@ -110,7 +117,36 @@ class LogitsProcessor:
             logits = self._penalize(logits, rows)
         if params.constrained:
             logits = self._constrain(logits, rows)
+        if params.biased:
+            logits = self._add_bias(logits, rows)
         return logits
+
+    def _add_bias(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+        """Each row's logit_bias added to its tokens' logits (float32, a new tensor)."""
+        same = (
+            self._bias is not None
+            and len(rows) == len(self._bias_rows)
+            and all(a is b for a, b in zip(rows, self._bias_rows, strict=True))
+            and self._bias[0].device == logits.device
+        )
+        if not same:
+            triples = [
+                (i, token, bias)
+                for i, row in enumerate(rows)
+                for token, bias in row.request.sampling.logit_bias
+            ]
+            vocab = logits.shape[-1]
+            if any(token >= vocab for _, token, _ in triples):
+                raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab})")
+            device = logits.device
+            index = torch.tensor([t[0] for t in triples], dtype=torch.int64, device=device)
+            tokens = torch.tensor([t[1] for t in triples], dtype=torch.int64, device=device)
+            values = torch.tensor([t[2] for t in triples], dtype=torch.float32, device=device)
+            self._bias, self._bias_rows = (index, tokens, values), list(rows)
+        assert self._bias is not None
+        index, tokens, values = self._bias
+        out = logits.to(torch.float32, copy=True)
+        return out.index_put_((index, tokens), values, accumulate=True)
 
     def _penalize(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
         picked = [i for i, row in enumerate(rows) if row.request.sampling.penalized]

@@ -9,8 +9,8 @@ A request with `SamplingParams.seed` draws the uniform for its n-th response tok
 counter-based hash of (seed, n) instead of the engine's generator, so it samples the same tokens
 whatever it is batched with, on either path, and after a preemption.
 
-Penalties and structured-output masks change the logits before they get here (`logits`), so the
-logprobs are those of the distribution the row samples from.
+Penalties, structured-output masks and logit biases change the logits before they get here
+(`logits`), so the logprobs are those of the distribution the row samples from.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class SamplingTensors:
     # Host-side flags of the per-request extras (`logits`): only batches with such a row pay.
     penalized: bool = False  # some row has a frequency, presence or repetition penalty
     constrained: bool = False  # some row has a structured-output constraint
+    biased: bool = False  # some row has a logit_bias
     top_logprobs: int = 0  # the largest SamplingParams.top_logprobs of the rows
 
     @classmethod
@@ -67,6 +68,7 @@ class SamplingTensors:
             seeded=any(p.seed is not None for p in params),
             penalized=any(p.penalized for p in params),
             constrained=any(p.constraint is not None for p in params),
+            biased=any(p.logit_bias for p in params),
             top_logprobs=max((p.top_logprobs for p in params), default=0),
         )
 
@@ -84,6 +86,7 @@ class SamplingTensors:
             self.seeded,
             self.penalized,
             self.constrained,
+            self.biased,
             self.top_logprobs,
         )
 
@@ -107,6 +110,7 @@ class SamplingTensors:
             seeded=any(p.seeded for p in parts),
             penalized=any(p.penalized for p in parts),
             constrained=any(p.constrained for p in parts),
+            biased=any(p.biased for p in parts),
             top_logprobs=max((p.top_logprobs for p in parts), default=0),
         )
 

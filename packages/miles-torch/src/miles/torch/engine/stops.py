@@ -13,9 +13,17 @@ from miles.torch.engine.logits import RowState
 MAX_TOP_LOGPROBS = 20
 
 
-def check_request(request: GenerateRequest) -> None:
-    """ValueError for sampling fields the engine cannot honour."""
+def check_request(request: GenerateRequest, vocab: int | None = None) -> None:
+    """ValueError for sampling fields the engine cannot honour (`vocab`: the model's vocabulary
+    size, which logit_bias's token ids must be below; None: not checked)."""
     sampling = request.sampling
+    if vocab is not None:
+        outside = [token for token, _ in sampling.logit_bias if not 0 <= token < vocab]
+        if outside:
+            raise ValueError(
+                f"request {request.request_id}: logit_bias token id {outside[0]} is outside the "
+                f"vocabulary [0, {vocab})"
+            )
     if sampling.top_logprobs > MAX_TOP_LOGPROBS:
         raise ValueError(
             f"request {request.request_id}: top_logprobs must be at most {MAX_TOP_LOGPROBS}, "
