@@ -231,7 +231,7 @@ class TorchRolloutEngine:
                 return
             # Yield outside the lock and inference mode: the consumer runs while we are suspended.
             with self._lock, torch.inference_mode():
-                batches, finished = self._hf.step(batches, pending)
+                batches, finished = self._step(batches, pending)
             if on_progress is not None:
                 for row in (row for batch in batches for row in batch.rows if not row.done):
                     _report(on_progress, row)
@@ -380,6 +380,12 @@ class TorchRolloutEngine:
                 if self._paged is not None:
                     self._paged.restore()
             self._released = False
+
+    def _step(
+        self, batches: list[Batch], pending: deque[GenerateRequest]
+    ) -> tuple[list[Batch], list[GenerateResult]]:
+        """One step of the hf loop: the seam a subclass wraps (the chaos tests' slow engine)."""
+        return self._hf.step(batches, pending)
 
     def health(self) -> dict[str, Any]:
         health = {
