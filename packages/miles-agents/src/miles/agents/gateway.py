@@ -178,7 +178,8 @@ class AgentGateway:
 # sequence sampled as the run samples (what the trainer's logprobs assume).
 _NOT_IN_EPISODES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
                     "no_stop_trim", "stop_regex", "regex", "ebnf", "json_schema",
-                    "response_format", "top_logprobs", "echo")  # fmt: skip
+                    "response_format", "top_logprobs", "echo", "logit_bias",
+                    "continue_final_message")  # fmt: skip
 
 
 def _episode_call(parsed: openai.OpenAIRequest, where: str) -> dict[str, Any]:
