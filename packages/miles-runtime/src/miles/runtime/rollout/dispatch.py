@@ -75,6 +75,7 @@ class EngineSupervisor:
 
     @ray.method
     def engine_failed(self, index: int, generation: int, reason: str) -> None:
+        # The signature only: EngineGroup overrides it, and no bare EngineSupervisor is made.
         raise NotImplementedError
 
 
