@@ -3,39 +3,14 @@ tiny tokenizers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from miles.serve.testing import Server, start_server, stop_server
+from miles.serve.fixtures import model, serve_process, serve_process_for_module, server
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from miles.torch.testing import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", vocab_size=128)
-
-
-@pytest.fixture(scope="module")
-def server(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    started = start_server(model, tmp_path_factory.mktemp("serve"))
-    yield started
-    stop_server(started)
-
-
-@pytest.fixture
-def serve_process() -> tuple[Any, Any]:
-    """(start_server, stop_server), for a test that starts its own server."""
-    return start_server, stop_server
-
-
-@pytest.fixture(scope="module")
-def serve_process_for_module() -> tuple[Any, Any]:
-    """(start_server, stop_server), for a module's own server fixture."""
-    return start_server, stop_server
+__all__ = ["model", "serve_process", "serve_process_for_module", "server"]
 
 
 # -- real chat templates on tiny tokenizers ------------------------------------------------------
