@@ -245,7 +245,10 @@ def test_top_logprobs_and_prompt_logprobs_match_a_plain_forward(engine, model):
         GenerateRequest(
             3, PROMPTS[1], sampling(max_new_tokens=0, prompt_logprobs=True, top_logprobs=2)
         ),
-        GenerateRequest(4, PROMPTS[3], sampling(prompt_logprobs=True, top_logprobs=1)),
+        # ignore_eos: its 8 tokens whatever the sampler's random stream draws (CPU and CUDA).
+        GenerateRequest(
+            4, PROMPTS[3], sampling(prompt_logprobs=True, top_logprobs=1, ignore_eos=True)
+        ),
         GenerateRequest(5, PROMPTS[2], sampling(temperature=0.5)),
     ]
     results = run(engine, requests)
@@ -300,6 +303,46 @@ def test_prompt_logprobs_compute_every_position_whatever_the_prefix_cache_holds(
     assert results[2].response_ids == results[1].response_ids
     if engine.path == "paged":  # the others still find the prompt cached
         assert results[1].cached_tokens > 0 and again.cached_tokens > 0
+
+
+# ── logit_bias and cache_salt ───────────────────────────────────────────────────────────────────
+
+
+def test_logit_bias_shifts_the_distribution_sampled_and_reported(engine, model):
+    """Greedy with a +bias on the plain answer's second choice takes it, and the reported
+    logprobs are of the biased distribution (as SGLang's): log_softmax(logits + bias)."""
+    prompt = PROMPTS[0]
+    plain = run(engine, requests_for([prompt], temperature=0.0, max_new_tokens=1))[0]
+    first = logits_of(model, prompt)[-1]
+    runner_up = int(torch.topk(first, 2).indices[1])
+    assert plain.response_ids == [int(first.argmax())]
+    bias = float(first.max() - first[runner_up]) + 1.0
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, logit_bias=((runner_up, bias),))
+    (got,) = engine.results([GenerateRequest(7, prompt, params)])
+    assert got.response_ids == [runner_up]
+    biased = first.clone()
+    biased[runner_up] += bias
+    expected = torch.log_softmax(biased, dim=-1)[runner_up].item()
+    assert got.logprobs[0] == pytest.approx(expected, abs=ATOL)
+
+
+def test_cache_salt_keeps_differently_salted_prefixes_apart(engine):
+    """A prompt cached under one salt is a hit for that salt only; the answers stay the same."""
+    prompt = list(range(89, 59, -1))  # 30 tokens, seen by no other test
+    params = SamplingParams(temperature=0.0, max_new_tokens=3)
+
+    def once(request_id: int, salt: str | None):
+        (result,) = engine.results([GenerateRequest(request_id, prompt, params, salt)])
+        return result
+
+    runs = [once(i, salt) for i, salt in enumerate(["a", "a", "b", None, None])]
+    cached = [r.cached_tokens for r in runs]
+    if engine.path == "paged":
+        assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0 and cached[3] == 0
+        assert cached[4] == cached[1]
+    else:  # the hf loop has no prefix cache
+        assert cached == [0] * 5
+    assert all(r.response_ids == runs[0].response_ids for r in runs)
 
 
 # ── constraints ─────────────────────────────────────────────────────────────────────────────────

@@ -141,7 +141,8 @@ class AgentGateway:
             stop_strings=(*run.stop_strings, *stops),
             stop_token_ids=(*run.stop_token_ids, *(body.get("stop_token_ids") or ())),
         )
-        request = GenerateRequest(session.request_id, prompt_ids, sampling)
+        salt = body.get("cache_salt")
+        request = GenerateRequest(session.request_id, prompt_ids, sampling, salt)
         future = asyncio.run_coroutine_threadsafe(session.ctx.generate([request]), session.loop)
         (result,) = await asyncio.wrap_future(future)
         t.record(prompt_ids, result)

@@ -70,6 +70,7 @@ class _Job:
     sampling: SamplingParams
     deliver: Deliver
     on_tokens: OnTokens | None = None  # streamed: told the tokens so far after each step
+    cache_salt: str | None = None
     started: float = field(default_factory=time.perf_counter)
     # Tokens made before a retraction; the next engine call continues after them.
     done_ids: list[int] = field(default_factory=list)
@@ -117,11 +118,13 @@ class EngineHost:
         sampling: SamplingParams,
         deliver: Deliver,
         on_tokens: OnTokens | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         # While paused a new request waits in the queue for continue_generation, as SGLang's
         # tokenizer manager holds it: a rollout client never sees the pause of a weight update.
         try:
-            self._queue.put_nowait(_Job(rid, list(prompt_ids), sampling, deliver, on_tokens))
+            job = _Job(rid, list(prompt_ids), sampling, deliver, on_tokens, cache_salt)
+            self._queue.put_nowait(job)
         except queue.Full:
             raise QueueFull(
                 f"{self._queue.maxsize} requests are queued already (--max-queue); retry later"
@@ -186,6 +189,7 @@ class EngineHost:
                         request_id,
                         job.prompt_ids + job.done_ids,
                         _with_budget(job.sampling, budget),
+                        job.cache_salt,
                     )
                 )
             self._workers += 1

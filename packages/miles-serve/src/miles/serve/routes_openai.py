@@ -113,6 +113,7 @@ def _item(parsed: OpenAIRequest, index: int, prompt: list[int] | str) -> Generat
         return_text_in_logprobs=False,
         top_logprobs_num=parsed.top_logprobs,
         logprob_start_len=0 if parsed.echo and parsed.logprobs else -1,
+        cache_salt=parsed.cache_salt,
     )
 
 

@@ -179,9 +179,8 @@ def submit(
     def deliver(finished: Finished) -> None:
         loop.call_soon_threadsafe(settle, finished)
 
-    state.host.submit(
-        item.rid, prompt_ids, engine_sampling(state, item, len(prompt_ids)), deliver, on_tokens
-    )
+    sampling = engine_sampling(state, item, len(prompt_ids))
+    state.host.submit(item.rid, prompt_ids, sampling, deliver, on_tokens, item.cache_salt)
     return future
 
 

@@ -179,6 +179,8 @@ class SGLangEngine:
             "return_logprob": True,
             "return_routed_experts": self._routes is not None,
         }
+        if request.cache_salt is not None:
+            body["cache_salt"] = request.cache_salt
         out = self.client.call("/generate", body)
         meta = out["meta_info"]
         entries = meta.get("output_token_logprobs") or []

@@ -55,6 +55,7 @@ _COMMON: dict[str, tuple[type | None, ...]] = {
     "skip_special_tokens": (bool,),
     "rid": (str, None),
     "logit_bias": (dict, None),
+    "cache_salt": (str, None),
 }
 COMPLETION_FIELDS: dict[str, tuple[type | None, ...]] = {
     **_COMMON,
@@ -108,6 +109,7 @@ class OpenAIRequest:
     top_logprobs: int = 0
     echo: bool = False
     prompts: list[list[int] | str] = field(default_factory=list)  # completions only
+    cache_salt: str | None = None
 
 
 def _sampling(body: dict[str, Any], where: str) -> Sampling:
@@ -143,6 +145,7 @@ def _common(body: dict[str, Any], where: str) -> OpenAIRequest:
         stream=bool(body.get("stream")),
         include_usage=bool(options.get("include_usage")),
         continuous_usage=bool(options.get("continuous_usage_stats")),
+        cache_salt=wire.check_cache_salt(body.get("cache_salt"), where),
     )
 
 

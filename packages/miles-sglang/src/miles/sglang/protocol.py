@@ -32,6 +32,7 @@ GENERATE_FIELDS: dict[str, tuple[type | None, ...]] = {
     "stream": (bool,),
     "return_routed_experts": (bool,),
     "log_metrics": (bool,),
+    "cache_salt": (str, list, None),
 }
 # SGLang GenerateReqInput fields this server does not implement (accepted at their default).
 GENERATE_UNSUPPORTED: tuple[str, ...] = (
@@ -45,7 +46,7 @@ GENERATE_UNSUPPORTED: tuple[str, ...] = (
     "disagg_prefill_dp_rank", "kv_router_hint", "routing_key", "conversation_id",
     "http_worker_ipc", "background", "require_reasoning", "max_thinking_tokens", "priority",
     "extra_key", "no_logs", "custom_labels", "return_bytes", "return_entropy",
-    "return_prompt_token_ids", "external_trace_header", "received_time", "cache_salt",
+    "return_prompt_token_ids", "external_trace_header", "received_time",
 )  # fmt: skip
 
 SAMPLING_FIELDS: dict[str, tuple[type | None, ...]] = {
@@ -284,6 +285,7 @@ class GenerateItem:
     return_routed_experts: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: the prompt's logprobs from this position on
+    cache_salt: str | None = None  # shares cached prefixes only with requests of the same salt
 
 
 @dataclass
@@ -364,6 +366,14 @@ def check_logit_bias(value: Any, where: str) -> dict[int, float]:
     return out
 
 
+def check_cache_salt(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{where}: cache_salt must be a non-empty string, got {value!r}")
+    return value
+
+
 def nth_sample(sampling: Sampling, j: int) -> Sampling:
     """The j-th of n samples of one prompt: with a seed, seed + j, so the n samples differ but the
     request stays reproducible."""
@@ -442,6 +452,7 @@ def parse_generate(body: Any, new_rid: Any) -> GenerateCall:
     rids = per_item("rid", None)
     starts = per_item("logprob_start_len", -1)
     tops = per_item("top_logprobs_num", 0)
+    salts = per_item("cache_salt", None)
     for i in range(n):
         if starts[i] < -1:
             raise BadRequest(f"/generate: logprob_start_len must be >= -1, got {starts[i]}")
@@ -462,6 +473,7 @@ def parse_generate(body: Any, new_rid: Any) -> GenerateCall:
             return_routed_experts=bool(b.get("return_routed_experts", False)),
             top_logprobs_num=tops[i],
             logprob_start_len=starts[i],
+            cache_salt=check_cache_salt(salts[i], "/generate"),
         )
         for i in range(n)
     ]

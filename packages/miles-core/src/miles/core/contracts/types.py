@@ -141,6 +141,9 @@ class GenerateRequest:
     request_id: int
     prompt_ids: list[int]
     sampling: SamplingParams
+    # SGLang's cache_salt: requests share cached prefixes only with requests of the same salt
+    # (None: the unsalted cache), so one tenant's prompts cannot be probed through another's hits.
+    cache_salt: str | None = None
 
 
 @dataclass

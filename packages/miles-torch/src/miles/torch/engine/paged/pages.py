@@ -2,7 +2,7 @@
 
 A page holds `page_size` consecutive tokens of one sequence. A full page is named by the hash
 of its tokens chained with the previous page's hash, so equal prefixes map to equal chains (the
-radix idea, flattened). A page whose last user leaves keeps its contents and its hash until it is
+radix idea, flattened); a request's cache_salt starts its chain. A page whose last user leaves keeps its contents and its hash until it is
 allocated again: a later request with the same prefix (the next turn of a conversation, another
 sample of the same prompt) takes it back instead of computing it again. Pages in use by several
 sequences are shared read-only; a sequence never writes into a page it shares, because only full
@@ -11,6 +11,7 @@ pages are shared and a sequence's last token is always computed into a page of i
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 from miles.torch.engine.paged.sequence import Sequence
@@ -22,6 +23,15 @@ SCRATCH_PAGE = 0
 def block_hash(tokens: list[int], previous: int | None) -> int:
     # Python's hash of ints and tuples is not salted: stable within and across processes.
     return hash((previous, tuple(tokens)))
+
+
+def chain_start(seq: Sequence) -> int | None:
+    """The hash a sequence's chain of pages starts from: its request's cache_salt, so prefixes
+    of differently salted requests never meet (a stable digest: str hashes vary by process)."""
+    salt = seq.request.cache_salt
+    if salt is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
 
 
 class PagePool:
@@ -67,7 +77,7 @@ class PagePool:
         pages: list[int] = []
         if seq.needs_prompt_logprobs:
             return pages
-        previous = None
+        previous = chain_start(seq)
         for start in range(0, len(tokens) - 1 - size + 1, size):
             previous = block_hash(tokens[start : start + size], previous)
             page = self._page_of.get(previous)
@@ -105,7 +115,7 @@ class PagePool:
         because every layer writes the step's K/V before any of the step's attention reads them.
         """
         tokens, size = seq.tokens, self.page_size
-        previous = None
+        previous = chain_start(seq)
         for i in range(min(len(seq.pages), upto // size)):
             previous = block_hash(tokens[i * size : (i + 1) * size], previous)
             page = seq.pages[i]
