@@ -116,10 +116,13 @@ def test_continuous_usage_and_completions_stream(client, paged):
     )  # fmt: skip
     seen = [c for c in stream]
     assert all(c.usage is not None for c in seen)
-    assert seen[-1].choices[0].finish_reason in ("stop", "length")
+    # SGLang's order: the choice's chunks, then (include_usage) the total in a chunk of its own.
+    *answer, total = seen
+    assert total.choices == [] and answer[-1].choices[0].finish_reason in ("stop", "length")
     # Each chunk carries the logprobs of the tokens it brings (as SGLang streams them).
-    streamed = [c.choices[0].logprobs.tokens for c in seen if c.choices and c.choices[0].logprobs]
-    assert seen[-1].usage.completion_tokens == sum(len(tokens) for tokens in streamed)
+    streamed = [c.choices[0].logprobs.tokens for c in answer if c.choices[0].logprobs]
+    assert total.usage.completion_tokens == sum(len(tokens) for tokens in streamed)
+    assert answer[-1].usage.completion_tokens == total.usage.completion_tokens
 
 
 def test_completions_take_a_list_of_prompts_n_and_echo(client, paged, model, reference):
@@ -251,10 +254,68 @@ def test_responses_api(client, paged):
         model=paged.model, input="hello", instructions="be brief", max_output_tokens=5,
         store=False,
     )  # fmt: skip
-    assert out.status in ("completed", "incomplete") and isinstance(out.output_text, str)
+    # Cut at max_output_tokens: completed, as SGLang answers; the message item says incomplete.
+    assert out.status == "completed" and out.incomplete_details is None
+    assert isinstance(out.output_text, str)
     assert out.usage.output_tokens <= 5 and out.usage.input_tokens > 0
-    with pytest.raises(openai.BadRequestError, match="stores no responses"):
-        client.responses.create(model=paged.model, input="x", previous_response_id="resp_1")
+    with pytest.raises(openai.NotFoundError, match="not found"):  # store: false kept nothing
+        client.responses.retrieve(out.id)
+
+
+def test_responses_are_stored_continued_retrieved_and_deleted(client, paged):
+    first = client.responses.create(
+        model=paged.model, input="hello", instructions="be brief", max_output_tokens=6,
+        temperature=0,
+    )  # fmt: skip
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(
+        model=paged.model, input="and again", previous_response_id=first.id,
+        max_output_tokens=4, temperature=0,
+    )  # fmt: skip
+    # The continuation's prompt is the conversation: the first input, its answer as the
+    # assistant's turn, then the new input (the first's instructions are not carried over).
+    conversation = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "and again"},
+    ]
+    chat = client.chat.completions.create(model=paged.model, messages=conversation, max_tokens=1)
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.previous_response_id == first.id
+    assert client.responses.delete(first.id) is None
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.create(model=paged.model, input="x", previous_response_id=first.id)
+    with pytest.raises(openai.BadRequestError, match="begins with 'resp'"):
+        client.responses.retrieve("nope")
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.create(model=paged.model, input="x", background=True)
+
+
+def test_responses_stream_openais_events(client, paged):
+    kwargs: dict[str, Any] = {
+        "model": paged.model, "input": "hello", "max_output_tokens": 12, "temperature": 0,
+        "store": False,
+    }  # fmt: skip
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added",
+    ]  # fmt: skip
+    assert kinds[-4:] == [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1  # as it is generated, not all at the end
+    assert "".join(deltas) == whole.output_text == events[-4].text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert final.output_text == whole.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens > 1
 
 
 def test_score_equals_transformers(paged, reference):
@@ -390,11 +451,33 @@ def test_a_repeated_prompt_reports_every_token_but_the_last_as_cached(
         )  # fmt: skip
         try:
             first, second = (server.call("/generate", body)[1] for _ in range(2))
+            # SGLang's cache_salt: a salted request shares cached prefixes only with its salt.
+            salted = [
+                server.call("/generate", {**body, "cache_salt": salt})[1]
+                for salt in ("tenant-a", "tenant-a", "tenant-b")
+            ]
         finally:
             stop_server(server)
+        assert [s["meta_info"]["cached_tokens"] for s in salted] == [0, cached_hit(page_size), 0]
+        assert all(s["output_ids"] == first["output_ids"] for s in salted)
         assert first["meta_info"]["cached_tokens"] == 0
         assert first["output_ids"] == second["output_ids"]
         cached[page_size] = second["meta_info"]["cached_tokens"]
         outputs[page_size] = second["output_ids"]
-    assert cached == {1: 36, 16: 32}
+    assert cached == {1: cached_hit(1), 16: cached_hit(16)} == {1: 36, 16: 32}
     assert outputs[1] == outputs[16]
+
+
+def cached_hit(page_size: int) -> int:
+    """Cached tokens of the 37-token prompt sent again: all but the last, in whole pages."""
+    return (37 - 1) // page_size * page_size
+
+
+def test_cache_salt_is_checked(paged: Any) -> None:
+    for path, body in (
+        ("/generate", {"input_ids": PROMPT, "cache_salt": 5}),
+        ("/generate", {"input_ids": PROMPT, "cache_salt": ""}),
+        ("/v1/completions", {"prompt": PROMPT, "cache_salt": ["a"]}),
+    ):
+        status, answer = paged.call(path, body)
+        assert status == 400 and "cache_salt" in json.dumps(answer), answer

@@ -167,6 +167,45 @@ def test_one_choice_per_chunk_for_prompt_lists_and_n(client, served):
     assert said == {c.index: c.message.content for c in answer.choices}
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_chunks_carry_their_token_ids_and_their_choices_usage(served, path):
+    """SGLang's stream: with return_token_ids each chunk brings the ids of its tokens (joined,
+    the answer's) and a choice's first chunk its prompt's ids; with continuous_usage_stats each
+    chunk counts its own choice so far, and include_usage still ends with the request's total."""
+    chat = path.endswith("chat/completions")
+    prompt = {"messages": [{"role": "user", "content": "ab"}]} if chat else {"prompt": "ab"}
+    body = {
+        **prompt, "max_tokens": 7, "temperature": 0, "n": 2, **WHOLE, "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }  # fmt: skip
+    status, whole = served.call(path, {k: v for k, v in body.items() if k != "stream_options"})
+    assert status == 200, whole
+    expected = {c["index"]: c for c in whole["choices"]}
+    seen = events(served, path, body)
+    *chunks, total = seen
+    assert total["choices"] == [] and total["usage"]["completion_tokens"] == 14
+    ids: dict[int, list[int]] = defaultdict(list)
+    prompts: dict[int, list[list[int]]] = defaultdict(list)
+    counts: dict[int, list[int]] = defaultdict(list)
+    carrying: Counter[int] = Counter()  # chunks that bring token ids, per choice
+    for event in chunks:
+        (choice,) = event["choices"]
+        index = choice["index"]
+        if "prompt_token_ids" in choice:
+            prompts[index].append(choice["prompt_token_ids"])
+        ids[index] += choice.get("token_ids", [])
+        carrying[index] += bool(choice.get("token_ids"))
+        usage = event["usage"]  # this choice's counts, not the request's
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["prompt_tokens"] == len(expected[index]["prompt_token_ids"])
+        counts[index].append(usage["completion_tokens"])
+    for index, want in expected.items():
+        assert ids[index] == want["token_ids"]  # joined, exactly the unstreamed answer's ids
+        assert carrying[index] > 1  # as they are made, not all in the last chunk
+        assert prompts[index] == [want["prompt_token_ids"]]  # once, in the choice's first chunk
+        assert counts[index] == sorted(counts[index]) and counts[index][-1] == 7
+
+
 @pytest.mark.parametrize("prompt", ["ab", ["ab", "cd"], PROMPT], ids=["text", "list", "ids"])
 def test_echo_streams_the_prompt_first(client, served, model, prompt):
     kwargs: dict[str, Any] = {

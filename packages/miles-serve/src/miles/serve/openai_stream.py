@@ -9,8 +9,10 @@ asked) of the tokens it brings: those made since the choice's previous chunk, so
 text is held back comes with the next chunk. Chat: each choice's role chunk first, then its
 content, then a chunk of its own with an empty delta, finish_reason and matched_stop (SGLang's
 order). Completions: with `echo` a choice's first chunk starts with the prompt (and with logprobs
-carries the prompt's), its last carries finish_reason. Usage comes in a last chunk of its own
-(`stream_options.include_usage`) or in every chunk (`continuous_usage_stats`).
+carries the prompt's), its last carries finish_reason. With `return_token_ids` each chunk carries
+the ids of the tokens it brings (`token_ids`; joined, the choice's answer) and a choice's first
+chunk its `prompt_token_ids`. Usage: with `continuous_usage_stats` each chunk carries its choice's
+counts so far; with `stream_options.include_usage` a last chunk of its own has the request's.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class _Running:
     wait: asyncio.Future[Finished]
     sent: str = ""  # text already streamed (past the echo)
     sent_tokens: int = 0  # tokens whose logprobs were streamed
+    sent_ids: int = 0  # tokens whose ids were streamed (return_token_ids)
+    ids_started: bool = False  # the choice's prompt_token_ids went out
     offset: int = 0  # completions' text_offset of the next token
     started: bool = False  # a chunk of text went out
     done: bool = False
@@ -70,20 +74,31 @@ async def stream_choices(
         running.append(_Running(index, item, ids, echo, progress, wait))
     prompts = {id(r.prompt): r.prompt for r in running}
 
-    def chunk(choice: dict[str, Any] | None, final_usage: bool = False) -> bytes:
-        body = {**openai.envelope(kind, rid, model), "choices": [] if choice is None else [choice]}
-        if request.continuous_usage or final_usage:
-            body["usage"] = openai.usage(
-                list(prompts.values()), [], sum(r.cached for r in running),
-                completion=sum(r.tokens for r in running),
-            )  # fmt: skip
+    def chunk(r: _Running, choice: dict[str, Any]) -> bytes:
+        body = {**openai.envelope(kind, rid, model), "choices": [choice]}
+        if request.continuous_usage:  # SGLang's: this choice's counts so far
+            completion = r.tokens
+            body["usage"] = {
+                "prompt_tokens": len(r.prompt),
+                "completion_tokens": completion,
+                "total_tokens": len(r.prompt) + completion,
+            }
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    def usage_chunk() -> bytes:
+        body = {**openai.envelope(kind, rid, model), "choices": []}
+        body["usage"] = openai.usage(
+            list(prompts.values()), [], sum(r.cached for r in running),
+            completion=sum(r.tokens for r in running),
+        )  # fmt: skip
         return f"data: {json.dumps(body)}\n\n".encode()
 
     try:
         if chat:  # each choice's role first, as OpenAI sends it
             for r in running:
                 role = chat_delta("", role=True)
-                yield chunk({"index": r.index, "delta": role, "logprobs": None, **_GOING})
+                first = {"index": r.index, "delta": role, "logprobs": None, **_GOING}
+                yield chunk(r, {**first, **_token_ids(request, r, [])})
         while not all(r.done for r in running):
             pending = [r for r in running if not r.done]
             waiters = [asyncio.ensure_future(r.progress.changed.wait()) for r in pending]
@@ -94,14 +109,14 @@ async def stream_choices(
             for r in pending:
                 if r.wait.done():
                     for last in _last(state, request, r, chat, text_of):
-                        yield chunk(last)
+                        yield chunk(r, last)
                 elif r.progress.changed.is_set():
                     r.progress.changed.clear()
                     partial = _partial(state, request, r, chat, text_of)
                     if partial is not None:
-                        yield chunk(partial)
-        if request.include_usage and not request.continuous_usage:
-            yield chunk(None, final_usage=True)
+                        yield chunk(r, partial)
+        if request.include_usage:
+            yield usage_chunk()
         yield b"data: [DONE]\n\n"
     finally:  # the client left early: stop what it no longer reads
         for r in running:
@@ -137,9 +152,22 @@ def _partial(
         prompt_logprobs=p.prompt_logprobs, prompt_top_logprobs=p.prompt_top_logprobs,
     )  # fmt: skip
     logprobs = _logprobs(request, r, so_far, chat, text_of)
+    ids = _token_ids(request, r, p.ids)
     if chat:
-        return {"index": r.index, "delta": chat_delta(piece), "logprobs": logprobs, **_GOING}
-    return {"index": r.index, "text": _first(r) + piece, "logprobs": logprobs, **_GOING}
+        return {"index": r.index, "delta": chat_delta(piece), "logprobs": logprobs, **_GOING, **ids}
+    return {"index": r.index, "text": _first(r) + piece, "logprobs": logprobs, **_GOING, **ids}
+
+
+def _token_ids(request: OpenAIRequest, r: _Running, ids: list[int]) -> dict[str, Any]:
+    """With `return_token_ids`: the ids among `ids` (the choice's tokens so far) that no earlier
+    chunk carried, and in the choice's first chunk its prompt's ids."""
+    if not request.body.get("return_token_ids"):
+        return {}
+    out: dict[str, Any] = {"token_ids": ids[r.sent_ids :]}
+    if not r.ids_started:
+        out["prompt_token_ids"] = r.prompt
+    r.sent_ids, r.ids_started = max(r.sent_ids, len(ids)), True
+    return out
 
 
 def _first(r: _Running) -> str:
@@ -193,15 +221,14 @@ def _last(
         "finish_reason": openai.finish(result),
         "matched_stop": openai.matched_stop(result),
     }
-    if request.body.get("return_token_ids"):
-        end["token_ids"] = result["output_ids"]
-        end["prompt_token_ids"] = r.prompt
     if request.body.get("return_meta_info"):
         end["meta_info"] = result["meta_info"]
+    ids = _token_ids(request, r, result["output_ids"])
     if not chat:
-        return [{"index": r.index, "text": _first(r) + rest, "logprobs": logprobs, **end}]
+        return [{"index": r.index, "text": _first(r) + rest, "logprobs": logprobs, **end, **ids}]
     out = []
-    if rest or (logprobs is not None and logprobs["content"]):
-        out.append({"index": r.index, "delta": chat_delta(rest), "logprobs": logprobs, **_GOING})
+    if rest or (logprobs is not None and logprobs["content"]) or ids.get("token_ids"):
+        text = {"index": r.index, "delta": chat_delta(rest), "logprobs": logprobs, **_GOING}
+        out.append({**text, **ids})
     out.append({"index": r.index, "delta": chat_delta(None), "logprobs": None, **end})
     return out

@@ -2,8 +2,11 @@
 engine: `input` (a string, or messages whose content is a string or input_text parts) and
 `instructions` rendered with the chat template; one `message` output item with `output_text`.
 
-Stateless: nothing is stored, so `previous_response_id` and `store: true` are refused, as are
-built-in tools and streaming (`docs/serve.md` lists them). Function tools go to the chat template
+Responses are stored (unless `store: false`) in a bounded memory (`responses_store`):
+`previous_response_id` continues one, `GET /v1/responses/{id}` returns it and `DELETE` forgets it.
+`stream: true` sends OpenAI's events (`responses_stream`). An answer cut by `max_output_tokens` is
+`status: "completed"` as SGLang answers, its message item `incomplete` (OpenAI's item status).
+Built-in tools are refused (`docs/serve.md` lists them). Function tools go to the chat template
 like chat's `tools`; their calls come back as the model's text. SGLang's sampling extras of this
 endpoint (`frequency_penalty`, `presence_penalty`, `repetition_penalty`, `top_k`, `min_p`,
 `stop`) and `chat_template_kwargs` are honoured as on chat. Errors are the Responses API's nested
@@ -16,8 +19,11 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
+from miles.serve.host import Finished
+from miles.serve.responses_store import ResponseStore, check_id
+from miles.serve.responses_stream import output_text_part, stream_response
 from miles.serve.serving import (
     ServeState,
     answer,
@@ -50,6 +56,7 @@ RESPONSES_FIELDS: dict[str, tuple[type | None, ...]] = {
     "previous_response_id": (str, None),
     "parallel_tool_calls": (bool, None),
     "truncation": (str, None),
+    "background": (bool, None),
     # SGLang's extras of its ResponsesRequest.
     "frequency_penalty": (float, int, None),
     "presence_penalty": (float, int, None),
@@ -66,49 +73,74 @@ _WHERE = "/v1/responses"
 
 
 def add_responses_route(app: FastAPI, state: ServeState) -> None:
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> JSONResponse:
+    store = ResponseStore()
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(request: Request) -> JSONResponse | StreamingResponse:
         body = check_fields(await read_body(request), RESPONSES_FIELDS, _WHERE, required=("input",))
         _refuse_unsupported(body)
         check_serving(state)
-        messages = _messages(body)
+        previous = body.get("previous_response_id")
+        history = store.conversation(previous) if previous is not None else []
+        conversation = [*history, *_input_messages(body)]
+        instructions = body.get("instructions")
+        system = [{"role": "system", "content": instructions}] if instructions else []
         ids = chat_prompt(
             state,
             {
-                "messages": messages,
+                "messages": [*system, *conversation],
                 "tools": _function_tools(body),
                 "chat_template_kwargs": body.get("chat_template_kwargs"),
             },
         )
-        sampling = wire.parse_sampling(
-            {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}, _WHERE
-        )
-        sampling.max_new_tokens = body.get("max_output_tokens")
-        fmt = (body.get("text") or {}).get("format")
-        if fmt and fmt.get("type") == "json_schema":  # the Responses API flattens the schema
-            sampling.response_format = {"type": "json_schema", "json_schema": fmt}
-        elif fmt:
-            sampling.response_format = fmt
-        item = GenerateItem(rid=new_rid(), sampling=sampling, input_ids=ids)
-        done = await submit(state, item, prompt_ids(state, item))
+        item = GenerateItem(rid=new_rid(), sampling=_sampling(body), input_ids=ids)
+        prompt = prompt_ids(state, item)
+
+        def finish(done: Finished) -> dict[str, Any]:
+            response = _response(state, body, item, answer(state, item, done), done)
+            if body.get("store") is not False:  # OpenAI's default: stored
+                store.put(response, conversation)
+            return response
+
+        if body.get("stream"):
+            opening = _envelope(state, body, item, "in_progress")
+            events = stream_response(state, item, prompt, opening, finish)
+            return StreamingResponse(events, media_type="text/event-stream")
+        done = await submit(state, item, prompt)
         refuse_rejected(done)
-        return JSONResponse(_response(state, body, item, answer(state, item, done), done))
+        return JSONResponse(finish(done))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> JSONResponse:
+        return JSONResponse(store.get(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> JSONResponse:
+        store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _sampling(body: dict[str, Any]) -> wire.Sampling:
+    sampling = wire.parse_sampling(
+        {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}, _WHERE
+    )
+    sampling.max_new_tokens = body.get("max_output_tokens")
+    fmt = (body.get("text") or {}).get("format")
+    if fmt and fmt.get("type") == "json_schema":  # the Responses API flattens the schema
+        sampling.response_format = {"type": "json_schema", "json_schema": fmt}
+    elif fmt:
+        sampling.response_format = fmt
+    return sampling
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    if body.get("stream"):
-        raise BadRequest(f"{_WHERE}: stream is not supported by miles serve (use stream: false, "
-                         "or /v1/chat/completions, which streams)")  # fmt: skip
+    if body.get("background"):
+        raise BadRequest(f"{_WHERE}: background is not supported by miles serve (the answer is "
+                         "made while the call waits; stream: true sends it as it comes)",
+                         param="background")  # fmt: skip
     previous = body.get("previous_response_id")
-    if previous is not None and not previous.startswith("resp"):  # SGLang's check and words
-        raise BadRequest(
-            f"Invalid 'response_id': '{previous}'. Expected an ID that begins with 'resp'.",
-            param="response_id",
-        )
-    if previous or body.get("store"):
-        raise BadRequest(f"{_WHERE}: miles serve stores no responses: send the whole "
-                         "conversation as input, with store: false",
-                         param="previous_response_id" if previous else "store")  # fmt: skip
+    if previous is not None:
+        check_id(previous)
     for tool in body.get("tools") or []:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else tool
@@ -130,13 +162,13 @@ def _text_of(content: Any, where: str) -> str:
     raise BadRequest(f"{where}: content must be a string or a list of input_text parts")
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = []
-    if body.get("instructions"):
-        messages.append({"role": "system", "content": body["instructions"]})
+def _input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`input` as chat messages (`instructions` are not among them: they are not carried over to
+    a continuation, as OpenAI's)."""
+    messages: list[dict[str, Any]] = []
     given = body["input"]
     if isinstance(given, str):
-        return [*messages, {"role": "user", "content": given}]
+        return [{"role": "user", "content": given}]
     for i, entry in enumerate(given):
         where = f"{_WHERE} input[{i}]"
         if not isinstance(entry, dict) or entry.get("type", "message") != "message":
@@ -159,19 +191,17 @@ def _function_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     ]
 
 
-def _response(
-    state: ServeState, body: dict[str, Any], item: GenerateItem, result: dict[str, Any], done: Any
+def _envelope(
+    state: ServeState, body: dict[str, Any], item: GenerateItem, status: str
 ) -> dict[str, Any]:
-    kind = result["meta_info"]["finish_reason"]["type"]
-    incomplete = kind == "length"
-    output_tokens = len(result["output_ids"])
+    """The response object's fields that do not depend on the answer."""
     return {
         "id": f"resp_{item.rid}",
         "object": "response",
         "created_at": int(time.time()),
-        "status": "incomplete" if incomplete else "completed" if kind == "stop" else "failed",
-        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "error": None if kind != "abort" else {"code": "server_error", "message": "aborted"},
+        "status": status,
+        "incomplete_details": None,
+        "error": None,
         "model": model_name(body, state.settings),
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
@@ -180,26 +210,41 @@ def _response(
         "tools": body.get("tools") or [],
         "tool_choice": body.get("tool_choice") or "auto",
         "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
+        "previous_response_id": body.get("previous_response_id"),
         "text": body.get("text") or {"format": {"type": "text"}},
         "metadata": body.get("metadata") or {},
-        "store": False,
-        "output": [
-            {
-                "type": "message",
-                "id": f"msg_{item.rid}",
-                "status": "incomplete" if incomplete else "completed",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": result["text"], "annotations": []}],
-            }
-        ],
-        "usage": {
-            "input_tokens": len(done.prompt_ids),
-            "input_tokens_details": {"cached_tokens": done.cached_tokens},
-            "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": len(done.prompt_ids) + output_tokens,
-            # SGLang 0.5's names of the same counts (its usage was the chat UsageInfo).
-            "prompt_tokens": len(done.prompt_ids),
-            "completion_tokens": output_tokens,
-        },
+        "store": body.get("store") is not False,
+        "output": [],
+        "usage": None,
     }
+
+
+def _response(
+    state: ServeState, body: dict[str, Any], item: GenerateItem, result: dict[str, Any], done: Any
+) -> dict[str, Any]:
+    kind = result["meta_info"]["finish_reason"]["type"]
+    failed = kind not in ("stop", "length")
+    output_tokens = len(result["output_ids"])
+    response = _envelope(state, body, item, "failed" if failed else "completed")
+    if failed:
+        response["error"] = {"code": "server_error", "message": done.error or "aborted"}
+    response["output"] = [
+        {
+            "type": "message",
+            "id": f"msg_{item.rid}",
+            "status": "incomplete" if kind == "length" else "completed",
+            "role": "assistant",
+            "content": [output_text_part(result["text"])],
+        }
+    ]
+    response["usage"] = {
+        "input_tokens": len(done.prompt_ids),
+        "input_tokens_details": {"cached_tokens": done.cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": len(done.prompt_ids) + output_tokens,
+        # SGLang's names of the same counts (its usage is the chat UsageInfo).
+        "prompt_tokens": len(done.prompt_ids),
+        "completion_tokens": output_tokens,
+    }
+    return response

@@ -184,7 +184,7 @@ def _refusal(request: Request, settings: ServeSettings) -> JSONResponse | None:
         if name not in allowed:
             return error(403, f"Host {name[:100]!r} is not this server's address", path)
     key = settings.api_key
-    generation = path in _GENERATION_PATHS or path.startswith("/v1/models/")
+    generation = path in _GENERATION_PATHS or path.startswith(("/v1/models/", "/v1/responses/"))
     open_path = path == "/health" or (settings.open_generation and generation)
     if key and not open_path:
         given = headers.get("authorization", "").removeprefix("Bearer ").strip()

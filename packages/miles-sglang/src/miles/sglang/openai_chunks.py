@@ -88,7 +88,7 @@ def finished_stream(
         last["token_ids"] = result["output_ids"]
         last["prompt_token_ids"] = choice.prompt
     out.append(event([last], every))
-    if request.include_usage and not request.continuous_usage:
+    if request.include_usage:  # SGLang's: the total in a last chunk, continuous or not
         out.append(event([], usage))
     out.append(b"data: [DONE]\n\n")
     return out
