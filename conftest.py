@@ -45,26 +45,27 @@ def _has_cuda() -> bool:
 # miles runs), started first: with two workers, the file that starts last sets the suite's
 # tail. tools/test.sh keeps this order (`--no-loadscope-reorder`: xdist would otherwise start
 # files with many tests first, which are the quick ones).
-LONGEST_FIRST = (  # worker-seconds in a full run (2026-12-04, 2 workers)
-    "tests/test_modes_and_faults.py",  # ~1,000
-    "tests/test_cluster.py",  # ~500
-    "packages/miles-sglang/tests/test_sglang_backend.py",  # ~450
-    "tests/test_precisions.py",  # ~350
-    "tests/test_algorithm_runs.py",  # ~300
-    "tests/test_chaos.py",  # ~300
-    "tests/test_family_twins.py",  # ~200
-    "packages/miles-sglang/tests/test_agent.py",  # ~200
-    "tests/test_rl_loop.py",  # ~150
-    "packages/miles-megatron/tests/test_megatron_cpu.py",  # ~150
-    "tests/test_observed_run.py",  # ~100
-    "tests/test_moe_replay.py",  # ~100
-    "tests/test_smollm2.py",  # ~100
-    "tests/test_docs.py",  # ~90
+LONGEST_FIRST = (  # worker-seconds in a full run (2026-12-07, fc4: 2 workers, 4,060 in all)
+    "tests/test_modes_and_faults.py",  # ~790
+    "packages/miles-sglang/tests/test_sglang_backend.py",  # ~470
+    "tests/test_cluster.py",  # ~440
+    "packages/miles-agents/tests/test_agent.py",  # ~370, one test
+    "tests/test_precisions.py",  # ~310
+    "tests/test_chaos.py",  # ~210, one test
+    "tests/test_algorithm_runs.py",  # ~120
+    "tests/test_moe_replay.py",  # ~90
+    "tests/test_recipes_cli.py",  # ~80
+    "tests/test_megatron_run.py",  # ~80
     "tests/test_reward_handling_runs.py",  # ~80
-    "tests/test_backend_plugin.py",  # ~70
-    "packages/miles-sglang/tests/test_serve.py",  # ~70
-    "tests/test_recipes_cli.py",  # ~60
+    "tests/test_rl_loop.py",  # ~80
+    "tests/test_docs.py",  # ~70
     "packages/miles-torch/tests/test_fsdp.py",  # ~60
+    "packages/miles-megatron/tests/test_megatron_cpu.py",  # ~60
+    "tests/test_smollm2.py",  # ~60
+    "tests/test_observed_run.py",  # ~50
+    "tests/test_console.py",  # ~50
+    "packages/miles-serve/tests/test_serve.py",  # ~50
+    "tests/test_bad_data.py",  # ~50
 )
 
 
