@@ -456,8 +456,13 @@ def test_a_repeated_prompt_reports_every_token_but_the_last_as_cached(
                 server.call("/generate", {**body, "cache_salt": salt})[1]
                 for salt in ("tenant-a", "tenant-a", "tenant-b")
             ]
+            # logprob_start_len without return_logprob asks for nothing (SGLang): still a hit.
+            unasked = {**body, "logprob_start_len": 0, "return_logprob": False}
+            third = server.call("/generate", unasked)[1]
         finally:
             stop_server(server)
+        assert third["meta_info"]["cached_tokens"] == cached_hit(page_size)
+        assert "input_token_logprobs" not in third["meta_info"]
         assert [s["meta_info"]["cached_tokens"] for s in salted] == [0, cached_hit(page_size), 0]
         assert all(s["output_ids"] == first["output_ids"] for s in salted)
         assert first["meta_info"]["cached_tokens"] == 0

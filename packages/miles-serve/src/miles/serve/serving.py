@@ -213,8 +213,10 @@ def engine_sampling(state: ServeState, item: GenerateItem, prompt_tokens: int) -
         repetition_penalty=s.repetition_penalty,
         stop_regex=s.stop_regex,
         logit_bias=logit_bias(state, s),
-        top_logprobs=item.top_logprobs_num,
-        prompt_logprobs=item.logprob_start_len >= 0,
+        # As SGLang: logprob fields count only with return_logprob (a prompt's logprobs would
+        # also keep it from the prefix cache).
+        top_logprobs=item.top_logprobs_num if item.return_logprob else 0,
+        prompt_logprobs=item.return_logprob and item.logprob_start_len >= 0,
         constraint=grammar() if grammar is not None else None,
     )
 
