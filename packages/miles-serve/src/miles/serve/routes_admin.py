@@ -19,6 +19,7 @@ from miles.serve.serving import (
     parse_json,
     read_body,
 )
+from miles.sglang import control_protocol as control
 from miles.sglang import protocol as wire
 from miles.sglang.protocol import BadRequest
 
@@ -100,7 +101,7 @@ def add_info_routes(app: FastAPI, state: ServeState) -> None:
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
         body = wire.check_fields(
-            await read_body(request), wire.WEIGHT_VERSION_FIELDS, "/update_weight_version",
+            await read_body(request), control.WEIGHT_VERSION_FIELDS, "/update_weight_version",
             required=("new_version",),
         )  # fmt: skip
         if body.get("abort_all_requests"):
@@ -116,12 +117,12 @@ def add_control_routes(app: FastAPI, state: ServeState) -> None:
     async def pause_generation(request: Request) -> JSONResponse:
         raw = await request.body()
         body = wire.check_fields(
-            parse_json(raw) if raw.strip() else {}, wire.PAUSE_FIELDS, "/pause_generation"
+            parse_json(raw) if raw.strip() else {}, control.PAUSE_FIELDS, "/pause_generation"
         )
         mode = body.get("mode", "abort")
-        if mode not in wire.PAUSE_MODES:
+        if mode not in control.PAUSE_MODES:
             raise BadRequest(
-                f"/pause_generation: mode must be one of {wire.PAUSE_MODES}, got {mode!r}"
+                f"/pause_generation: mode must be one of {control.PAUSE_MODES}, got {mode!r}"
             )
         await run_in_threadpool(state.host.pause, mode)
         return ok(f"paused ({mode})")
@@ -140,7 +141,7 @@ def add_control_routes(app: FastAPI, state: ServeState) -> None:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> JSONResponse:
-        body = wire.check_fields(await read_body(request), wire.ABORT_FIELDS, "/abort_request")
+        body = wire.check_fields(await read_body(request), control.ABORT_FIELDS, "/abort_request")
         if not body.get("abort_all") and not body.get("rid"):
             raise BadRequest("/abort_request: give 'rid' or 'abort_all': true")
         count = await run_in_threadpool(
@@ -152,7 +153,9 @@ def add_control_routes(app: FastAPI, state: ServeState) -> None:
     async def release_memory(request: Request) -> JSONResponse:
         raw = await request.body()
         body = wire.check_fields(
-            parse_json(raw) if raw.strip() else {}, wire.MEMORY_FIELDS, "/release_memory_occupation"
+            parse_json(raw) if raw.strip() else {},
+            control.MEMORY_FIELDS,
+            "/release_memory_occupation",
         )
         _check_tags(body.get("tags"))
         if state.host.busy:
@@ -167,7 +170,9 @@ def add_control_routes(app: FastAPI, state: ServeState) -> None:
     async def resume_memory(request: Request) -> JSONResponse:
         raw = await request.body()
         body = wire.check_fields(
-            parse_json(raw) if raw.strip() else {}, wire.MEMORY_FIELDS, "/resume_memory_occupation"
+            parse_json(raw) if raw.strip() else {},
+            control.MEMORY_FIELDS,
+            "/resume_memory_occupation",
         )
         _check_tags(body.get("tags"))
         await state.lane.run("resume_memory_occupation", lambda _: state.engine.resume_memory())
@@ -177,5 +182,5 @@ def add_control_routes(app: FastAPI, state: ServeState) -> None:
 
 def _check_tags(tags: Any) -> None:
     for tag in tags or ():
-        if tag not in wire.MEMORY_TAGS:
-            raise BadRequest(f"unknown memory tag {tag!r} (tags: {', '.join(wire.MEMORY_TAGS)})")
+        if tag not in control.MEMORY_TAGS:
+            raise BadRequest(f"unknown memory tag {tag!r} (tags: {', '.join(control.MEMORY_TAGS)})")

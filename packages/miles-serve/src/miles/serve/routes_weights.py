@@ -18,6 +18,7 @@ from miles.serve.serving import (
 )
 from miles.serve.weight_lane import DeadlineExceeded, LaneBusy
 from miles.serve.weights import UpdateGroup, check_update, safetensors_weights
+from miles.sglang import control_protocol as control
 from miles.sglang import protocol as wire
 from miles.sglang.protocol import BadRequest
 from miles.sglang.tensors import PayloadRefused, load_named_tensors
@@ -30,7 +31,7 @@ def add_group_routes(app: FastAPI, state: ServeState) -> None:
     @app.post("/init_weights_update_group")
     async def init_group(request: Request) -> JSONResponse:
         body = wire.check_fields(
-            await read_body(request), wire.INIT_GROUP_FIELDS, "/init_weights_update_group",
+            await read_body(request), control.INIT_GROUP_FIELDS, "/init_weights_update_group",
             required=("master_address", "master_port", "rank_offset", "world_size"),
         )  # fmt: skip
         name = body.get("group_name", "weight_update_group")
@@ -65,7 +66,7 @@ def add_group_routes(app: FastAPI, state: ServeState) -> None:
     @app.post("/destroy_weights_update_group")
     async def destroy_group(request: Request) -> JSONResponse:
         body = wire.check_fields(
-            await read_body(request), wire.DESTROY_GROUP_FIELDS, "/destroy_weights_update_group"
+            await read_body(request), control.DESTROY_GROUP_FIELDS, "/destroy_weights_update_group"
         )
         name = body.get("group_name", "weight_update_group")
         group = state.groups.pop(name, None)
@@ -77,7 +78,7 @@ def add_group_routes(app: FastAPI, state: ServeState) -> None:
     @app.post("/update_weights_from_distributed")
     async def update_from_distributed(request: Request) -> JSONResponse:
         body = wire.check_fields(
-            await read_body(request), wire.UPDATE_DISTRIBUTED_FIELDS, "/update_weights_from_distributed",
+            await read_body(request), control.UPDATE_DISTRIBUTED_FIELDS, "/update_weights_from_distributed",
             required=("names", "dtypes", "shapes"),
         )  # fmt: skip
         check_update(body["names"], body["dtypes"], body["shapes"])
@@ -115,7 +116,7 @@ def add_load_routes(app: FastAPI, state: ServeState) -> None:
     @app.post("/update_weights_from_disk")
     async def update_from_disk(request: Request) -> JSONResponse:
         body = wire.check_fields(
-            await read_body(request), wire.UPDATE_DISK_FIELDS, "/update_weights_from_disk",
+            await read_body(request), control.UPDATE_DISK_FIELDS, "/update_weights_from_disk",
             required=("model_path",),
         )  # fmt: skip
         if body.get("abort_all_requests"):
@@ -142,7 +143,7 @@ def add_load_routes(app: FastAPI, state: ServeState) -> None:
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(request: Request) -> JSONResponse:
         body = wire.check_fields(
-            await read_body(request), wire.UPDATE_TENSOR_FIELDS, "/update_weights_from_tensor",
+            await read_body(request), control.UPDATE_TENSOR_FIELDS, "/update_weights_from_tensor",
             required=("serialized_named_tensors",),
         )  # fmt: skip
         entries = body["serialized_named_tensors"]
