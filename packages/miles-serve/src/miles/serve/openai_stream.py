@@ -26,7 +26,14 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from miles.serve.host import Finished
-from miles.serve.serving import Progress, ServeState, add_prompt_logprobs, answer, submit
+from miles.serve.serving import (
+    Progress,
+    ServeState,
+    add_prompt_logprobs,
+    answer,
+    decode_text,
+    submit,
+)
 from miles.sglang import openai
 from miles.sglang.openai import OpenAIRequest
 from miles.sglang.openai_chunks import chat_delta, hold_back
@@ -77,12 +84,7 @@ async def stream_choices(
     def chunk(r: _Running, choice: dict[str, Any]) -> bytes:
         body = {**openai.envelope(kind, rid, model), "choices": [choice]}
         if request.continuous_usage:  # SGLang's: this choice's counts so far
-            completion = r.tokens
-            body["usage"] = {
-                "prompt_tokens": len(r.prompt),
-                "completion_tokens": completion,
-                "total_tokens": len(r.prompt) + completion,
-            }
+            body["usage"] = openai.usage([r.prompt], [], r.cached, completion=r.tokens)
         return f"data: {json.dumps(body)}\n\n".encode()
 
     def usage_chunk() -> bytes:
@@ -136,14 +138,9 @@ def _partial(
     state: ServeState, request: OpenAIRequest, r: _Running, chat: bool, text_of: Any
 ) -> dict[str, Any] | None:
     """A choice's chunk after a model step: the text it can send now (None: nothing new)."""
-    p, s = r.progress, r.item.sampling
+    p = r.progress
     r.tokens = len(p.ids)
-    text = state.tokenizer.decode(
-        p.ids,
-        skip_special_tokens=s.skip_special_tokens,
-        spaces_between_special_tokens=s.spaces_between_special_tokens,
-    )
-    safe = hold_back(text, s.stop)
+    safe = hold_back(decode_text(state, r.item, p.ids), r.item.sampling.stop)
     if not (safe.startswith(r.sent) and len(safe) > len(r.sent)):
         return None
     piece, r.sent = safe[len(r.sent) :], safe

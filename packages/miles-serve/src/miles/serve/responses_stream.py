@@ -21,7 +21,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from miles.serve.host import Finished
-from miles.serve.serving import Progress, ServeState, submit
+from miles.serve.serving import Progress, ServeState, decode_text, submit
 from miles.sglang.openai_chunks import hold_back
 from miles.sglang.protocol import GenerateItem
 
@@ -65,7 +65,7 @@ async def stream_response(
             if wait.done():
                 break
             progress.changed.clear()
-            safe = hold_back(_decode(state, item, progress.ids), item.sampling.stop)
+            safe = hold_back(decode_text(state, item, progress.ids), item.sampling.stop)
             if safe.startswith(sent) and len(safe) > len(sent):
                 yield event("response.output_text.delta", **at, delta=safe[len(sent) :],
                             logprobs=[])  # fmt: skip
@@ -89,14 +89,3 @@ async def stream_response(
 
 def output_text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _decode(state: ServeState, item: GenerateItem, ids: list[int]) -> str:
-    s = item.sampling
-    return str(
-        state.tokenizer.decode(
-            ids,
-            skip_special_tokens=s.skip_special_tokens,
-            spaces_between_special_tokens=s.spaces_between_special_tokens,
-        )
-    )

@@ -48,8 +48,7 @@ def add_generation_routes(app: FastAPI, state: ServeState) -> None:
             )
         waits = [submit(state, item, ids) for item, ids in zip(call.items, prompts, strict=True)]
         done = await asyncio.gather(*waits)
-        for finished in done:
-            refuse_rejected(finished)
+        refuse_rejected(*done)
         answers = [answer(state, item, f) for item, f in zip(call.items, done, strict=True)]
         return JSONResponse(answers if call.batch else answers[0])
 

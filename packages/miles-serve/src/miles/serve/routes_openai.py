@@ -154,8 +154,7 @@ async def _respond(
                                 rid, model, work, text_of)  # fmt: skip
         return StreamingResponse(chunks, media_type="text/event-stream")
     finished = await asyncio.gather(*(submit(state, item, ids) for _, item, ids in work))
-    for done in finished:
-        refuse_rejected(done)
+    refuse_rejected(*finished)
     choices = [
         Choice(index, ids, answer(state, item, done))
         for (index, item, ids), done in zip(work, finished, strict=True)
@@ -220,8 +219,7 @@ async def _score(state: ServeState, body: dict[str, Any]) -> tuple[list[list[flo
             prompt_ids(state, item)
             requests.append(submit(state, item, item.input_ids or []))
     finished = await asyncio.gather(*requests)
-    for done in finished:
-        refuse_rejected(done)
+    refuse_rejected(*finished)
     scores = []
     for i in range(len(joined)):
         row = []

@@ -236,13 +236,14 @@ def vocab_size(state: ServeState) -> int:
     return int(getattr(state.engine.model.config, "vocab_size", 0) or 0)
 
 
-def refuse_rejected(done: Finished) -> None:
-    """A 400 (SGLang's answer) for a request the engine refused (its argument checks: they name
-    the request), instead of a 200 with finish_reason abort; a failure of the engine itself
-    stays the abort answer, with its message. For whole answers only: a stream has already
-    sent its 200."""
-    if done.error is not None and done.error.startswith("request "):
-        raise BadRequest(f"the engine refused the request ({done.error})")
+def refuse_rejected(*finished: Finished) -> None:
+    """A 400 (SGLang's answer) if the engine refused one of these requests (its argument checks:
+    they name the request), instead of a 200 with finish_reason abort; a failure of the engine
+    itself stays the abort answer, with its message. For whole answers only: a stream has
+    already sent its 200."""
+    for done in finished:
+        if done.error is not None and done.error.startswith("request "):
+            raise BadRequest(f"the engine refused the request ({done.error})")
 
 
 async def generate_one(state: ServeState, item: GenerateItem) -> tuple[list[int], dict[str, Any]]:
@@ -289,14 +290,22 @@ def model_name(body: dict[str, Any], settings: ServeSettings) -> str:
     return str(body.get("model") or settings.model_path)
 
 
+def decode_text(state: ServeState, item: GenerateItem, ids: list[int]) -> str:
+    """A response's text as the request asked it decoded (special tokens kept or skipped)."""
+    s = item.sampling
+    return str(
+        state.tokenizer.decode(
+            ids,
+            skip_special_tokens=s.skip_special_tokens,
+            spaces_between_special_tokens=s.spaces_between_special_tokens,
+        )
+    )
+
+
 def answer(state: ServeState, item: GenerateItem, done: Finished) -> dict[str, Any]:
     """SGLang's /generate response object for one finished prompt."""
-    tok, s = state.tokenizer, item.sampling
-    text = tok.decode(
-        done.response_ids,
-        skip_special_tokens=s.skip_special_tokens,
-        spaces_between_special_tokens=s.spaces_between_special_tokens,
-    )
+    s = item.sampling
+    text = decode_text(state, item, done.response_ids)
     matched: int | str | None = None
     if done.finish_reason == "stop":
         matched, cut = matched_stop(s, text, done.response_ids)
@@ -316,7 +325,7 @@ def answer(state: ServeState, item: GenerateItem, done: Finished) -> dict[str, A
         meta["finish_reason"]["message"] = f"the engine failed: {done.error}"
 
     def decode(token: int) -> str | None:
-        return tok.decode([token]) if item.return_text_in_logprobs else None
+        return state.tokenizer.decode([token]) if item.return_text_in_logprobs else None
 
     if item.return_logprob:
         meta["output_token_logprobs"] = [
@@ -453,7 +462,7 @@ def partial_answer(
     state: ServeState, item: GenerateItem, prompt_tokens: int, ids: list[int], logprobs: list[float]
 ) -> dict[str, Any]:
     """A streamed chunk before the end: the answer so far, finish_reason null."""
-    tok, s = state.tokenizer, item.sampling
+    tok = state.tokenizer
     meta: dict[str, Any] = {
         "id": item.rid,
         "finish_reason": None,
@@ -466,9 +475,4 @@ def partial_answer(
             [float(lp), int(t), tok.decode([t]) if item.return_text_in_logprobs else None]
             for lp, t in zip(logprobs, ids, strict=True)
         ]
-    text = tok.decode(
-        ids,
-        skip_special_tokens=s.skip_special_tokens,
-        spaces_between_special_tokens=s.spaces_between_special_tokens,
-    )
-    return {"text": text, "output_ids": list(ids), "meta_info": meta}
+    return {"text": decode_text(state, item, ids), "output_ids": list(ids), "meta_info": meta}

@@ -135,9 +135,6 @@ class LogitsProcessor:
                 for i, row in enumerate(rows)
                 for token, bias in row.request.sampling.logit_bias
             ]
-            vocab = logits.shape[-1]
-            if any(token >= vocab for _, token, _ in triples):
-                raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab})")
             device = logits.device
             index = torch.tensor([t[0] for t in triples], dtype=torch.int64, device=device)
             tokens = torch.tensor([t[1] for t in triples], dtype=torch.int64, device=device)

@@ -2,11 +2,12 @@
 
 A page holds `page_size` consecutive tokens of one sequence. A full page is named by the hash
 of its tokens chained with the previous page's hash, so equal prefixes map to equal chains (the
-radix idea, flattened); a request's cache_salt starts its chain. A page whose last user leaves keeps its contents and its hash until it is
-allocated again: a later request with the same prefix (the next turn of a conversation, another
-sample of the same prompt) takes it back instead of computing it again. Pages in use by several
-sequences are shared read-only; a sequence never writes into a page it shares, because only full
-pages are shared and a sequence's last token is always computed into a page of its own.
+radix idea, flattened); a request's cache_salt starts its chain, so salts never share. A page
+whose last user leaves keeps its contents and its hash until it is allocated again: a later
+request with the same prefix (the next turn of a conversation, another sample of the same prompt)
+takes it back instead of computing it again. Pages in use by several sequences are shared
+read-only; a sequence never writes into a page it shares, because only full pages are shared and
+a sequence's last token is always computed into a page of its own.
 """
 
 from __future__ import annotations
