@@ -19,23 +19,10 @@ from typing import Any
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-CONTEXT = 160
+CONTEXT = 160  # the in-process app's context, as the `paged` server's (conftest.py)
 PROMPT = [11, 12, 13, 14]
-
-
-@pytest.fixture(scope="module")
-def paged(
-    model: str, tmp_path_factory: pytest.TempPathFactory, serve_process_for_module: Any
-) -> Iterator[Any]:
-    start_server, stop_server = serve_process_for_module
-    server = start_server(
-        model, tmp_path_factory.mktemp("serve-compat"), "--engine-path", "paged",
-        "--context-length", str(CONTEXT),
-    )  # fmt: skip
-    yield server
-    stop_server(server)
 
 
 @pytest.fixture(scope="module", params=["paged", "hf"])
@@ -52,11 +39,6 @@ def client_of(server: Any) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(model)
-
-
-@pytest.fixture(scope="module")
-def reference(model: str) -> Any:
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
 
 def greedy(server: Any, **extra: Any) -> tuple[list[int], list[float]]:

@@ -8,41 +8,22 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-CONTEXT = 160
+CONTEXT = 160  # the `paged` server's context (conftest.py, PAGED_CONTEXT)
 PROMPT = [11, 12, 13, 14]
-
-
-@pytest.fixture(scope="module")
-def paged(
-    model: str, tmp_path_factory: pytest.TempPathFactory, serve_process_for_module: Any
-) -> Iterator[Any]:
-    start_server, stop_server = serve_process_for_module
-    server = start_server(
-        model, tmp_path_factory.mktemp("serve-openai"), "--engine-path", "paged",
-        "--context-length", str(CONTEXT),
-    )  # fmt: skip
-    yield server
-    stop_server(server)
 
 
 @pytest.fixture(scope="module")
 def client(paged: Any) -> openai.OpenAI:
     # Generation is open on loopback (the server made its own key for control calls).
     return openai.OpenAI(base_url=paged.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def reference(model: str) -> Any:
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
 
 def log_softmax_at(reference: Any, ids: list[int]) -> torch.Tensor:

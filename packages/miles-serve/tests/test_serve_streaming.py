@@ -185,24 +185,30 @@ def test_chunks_carry_their_token_ids_and_their_choices_usage(served, path):
     *chunks, total = seen
     assert total["choices"] == [] and total["usage"]["completion_tokens"] == 14
     ids: dict[int, list[int]] = defaultdict(list)
-    prompts: dict[int, list[list[int]]] = defaultdict(list)
+    prompts: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)  # (chunk number, ids)
     counts: dict[int, list[int]] = defaultdict(list)
     carrying: Counter[int] = Counter()  # chunks that bring token ids, per choice
+    texts: Counter[int] = Counter()  # chunks that bring text, per choice
     for event in chunks:
         (choice,) = event["choices"]
         index = choice["index"]
         if "prompt_token_ids" in choice:
-            prompts[index].append(choice["prompt_token_ids"])
+            prompts[index].append((len(counts[index]), choice["prompt_token_ids"]))
         ids[index] += choice.get("token_ids", [])
         carrying[index] += bool(choice.get("token_ids"))
+        texts[index] += bool(choice["delta"]["content"] if chat else choice["text"])
         usage = event["usage"]  # this choice's counts, not the request's
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         assert usage["prompt_tokens"] == len(expected[index]["prompt_token_ids"])
         counts[index].append(usage["completion_tokens"])
     for index, want in expected.items():
         assert ids[index] == want["token_ids"]  # joined, exactly the unstreamed answer's ids
-        assert carrying[index] > 1  # as they are made, not all in the last chunk
-        assert prompts[index] == [want["prompt_token_ids"]]  # once, in the choice's first chunk
+        # Once, in the choice's first chunk (chat: its role chunk, before any text).
+        assert prompts[index] == [(0, want["prompt_token_ids"])]
+        # The ids come as they are made: when the text came in several chunks, so did they (how
+        # many chunks a fast engine's steps make depends on the machine: one is possible).
+        if texts[index] > 1:
+            assert carrying[index] > 1
         assert counts[index] == sorted(counts[index]) and counts[index][-1] == 7
 
 
