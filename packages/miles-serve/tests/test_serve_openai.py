@@ -274,13 +274,22 @@ def test_responses_are_stored_continued_retrieved_and_deleted(client, paged):
         client.responses.create(model=paged.model, input="x", background=True)
 
 
-def test_responses_stream_openais_events(client, paged):
-    kwargs: dict[str, Any] = {
-        "model": paged.model, "input": "hello", "max_output_tokens": 12, "temperature": 0,
-        "store": False,
-    }  # fmt: skip
-    whole = client.responses.create(**kwargs)
-    events = list(client.responses.create(**kwargs, stream=True))
+def test_responses_stream_openais_events(model: str, serve_process: Any, tmp_path: Any) -> None:
+    # A server whose steps take 50 ms, one token each: the text comes in several deltas whatever
+    # the machine (a tiny model's steps on an idle one can end before the stream reads one).
+    start_server, stop_server = serve_process
+    slow = start_server(model, tmp_path, "--engine-path", "paged", "--context-length", "160",
+                        slow=0.05)  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=slow.url + "/v1", api_key="unused", max_retries=0)
+        kwargs: dict[str, Any] = {
+            "model": slow.model, "input": "hello", "max_output_tokens": 12, "temperature": 0,
+            "store": False,
+        }  # fmt: skip
+        whole = client.responses.create(**kwargs)
+        events = list(client.responses.create(**kwargs, stream=True))
+    finally:
+        stop_server(slow)
     kinds = [e.type for e in events]
     assert kinds[:4] == [
         "response.created", "response.in_progress", "response.output_item.added",
