@@ -1,7 +1,8 @@
 """The Ray actor around one rollout engine (any `RolloutEngine` backend).
 
-The actor is threaded (`max_concurrency` > 1): `pause`, `health` and weight loading answer while
-a `generate` stream is running in another thread. The engine's own lock keeps model steps and
+The actor is threaded, with two pools of threads (Ray concurrency groups): `generate` streams run
+in their own wide pool, and `pause`, `health` and weight loading in the default one, so a control
+call answers at once however many streams are running. The engine's own lock keeps model steps and
 weight loads apart. The actor builds the run's precision once and hands the backend a
 `RolloutSetup`; what arrives in a weight sync, and how, is the backend's business.
 
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any, TypeAlias
 
 import ray
-from ray.actor import ActorProxy
+from ray.actor import ActorClass, ActorProxy
 
 from miles.core.config import ReplayMode, RunConfig
 from miles.core.contracts.backends import Precision, RolloutEngine, RolloutSetup
@@ -26,8 +27,13 @@ from miles.core.observability.telemetry import attached, span
 from miles.core.registry.factory import build_component
 from miles.runtime.cluster.process import flush_traces, init_actor_process, node_id
 
-# generate, pause, health and a weight load at once, with room to spare.
-MAX_CONCURRENCY = 8
+# pause, health and a weight load at once, with room to spare.
+CONTROL_CONCURRENCY = 8
+# Streams at once: agent and multi-turn rollouts send one request per call, so each request in
+# flight is a stream, and the engine (the paged path, a server behind HTTP) batches the requests
+# of the streams running together. 8 here capped an agent step's batch at 8 requests.
+GENERATE_CONCURRENCY = 256
+CONCURRENCY_GROUPS = {"generate": GENERATE_CONCURRENCY}
 # Engines draw different samples: each seeds its sampler from the run's seed and its index.
 _SEED_STRIDE = 7919
 
@@ -67,7 +73,7 @@ class EngineActor:
             path="rollout",
         )
 
-    @ray.method
+    @ray.method(concurrency_group="generate")
     def generate(
         self, requests: list[GenerateRequest], trace_carrier: dict[str, str]
     ) -> Iterator[list[GenerateResult]]:
@@ -158,5 +164,13 @@ class EngineActor:
         self.engine.set_rng_state(state)
 
 
-# What `ray.remote(EngineActor)...remote(...)` returns: the handle the other actors call it by.
+def engine_actor_class() -> ActorClass[EngineActor]:
+    """EngineActor as a Ray actor class with its `generate` pool: concurrency groups are a class
+    option (`.options()` refuses them), which Ray's typing of `ray.remote` leaves out."""
+    options: dict[str, Any] = {"concurrency_groups": CONCURRENCY_GROUPS}
+    actor_class: ActorClass[EngineActor] = ray.remote(**options)(EngineActor)
+    return actor_class
+
+
+# What `engine_actor_class()...remote(...)` returns: the handle the other actors call it by.
 EngineHandle: TypeAlias = "ActorProxy[EngineActor]"

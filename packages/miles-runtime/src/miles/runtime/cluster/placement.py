@@ -32,7 +32,11 @@ from miles.core.config import ReplayMode, RunConfig
 from miles.core.contracts.components import Capability, Kind
 from miles.core.registry.families import record_mode
 from miles.core.registry.plugins import get_plugin_manager
-from miles.runtime.actors.engine_actor import MAX_CONCURRENCY, EngineActor, EngineHandle
+from miles.runtime.actors.engine_actor import (
+    CONTROL_CONCURRENCY,
+    EngineHandle,
+    engine_actor_class,
+)
 from miles.runtime.actors.engine_group import EngineGroup, EngineGroupHandle
 from miles.runtime.actors.train_actor import TrainActor, TrainHandle
 from miles.runtime.cluster.bundles import BundleInfo, assign, probe_bundles
@@ -234,11 +238,11 @@ class EngineLauncher:
         wait_for_places(self.group, self.node_wait_s)
         self.started_on[index] = bundle_nodes(self.group, [self.bundles[index]])
         return (
-            ray.remote(EngineActor)
+            engine_actor_class()
             .options(
                 num_cpus=self.num_cpus,
                 num_gpus=self.num_gpus,
-                max_concurrency=MAX_CONCURRENCY,
+                max_concurrency=CONTROL_CONCURRENCY,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.group, self.bundles[index]
                 ),
