@@ -11,6 +11,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -285,8 +286,27 @@ def test_quickstart_agent_learns_through_miles_serve(quickstart_model, tmp_path,
         # One step's mean is noisy (1.56 to 1.98 over the last steps of two runs): the last five.
         turns = [m["rollout/turns_mean"] for m in steps[-5:]]
         assert sum(turns) / len(turns) > 1.5, turns
+        # Each call is an engine call of its own, and the engine runs many at once (its actor
+        # once ran at most 8 streams, so the server never saw a batch of more).
+        assert _most_at_once(run / "traces.jsonl", "miles.generate") > 8
     finally:
         stop_server(server)
+
+
+def _most_at_once(traces: Path, name: str) -> int:
+    """The most spans called `name` that were open at the same time."""
+    spans = [json.loads(line) for line in traces.read_text().splitlines()]
+    edges = sorted(
+        (ns, step)
+        for s in spans
+        if s["name"] == name
+        for ns, step in ((s["start_ns"], 1), (s["end_ns"], -1))
+    )
+    running = most = 0
+    for _, step in edges:  # at equal times an end (-1) sorts before a start
+        running += step
+        most = max(most, running)
+    return most
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from miles.agents.trajectory import Diverged, Trajectory
 from miles.core.contracts.protocols import RolloutContext, Tokenizer
@@ -209,7 +209,12 @@ async def _body(request: Request) -> Any:
 
 
 def _app(gateway: AgentGateway) -> FastAPI:
-    app = FastAPI(title="miles agent gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="miles agent gateway", docs_url=None, redoc_url=None, openapi_url=None,
+        # A span per call and none for its steps inside FastAPI: an agent step makes hundreds
+        # of calls, and each span is written to traces.jsonl as it ends.
+        telemetry={"operation_spans": False},
+    )  # fmt: skip
 
     @app.exception_handler(BadRequest)
     @app.exception_handler(Diverged)
@@ -286,7 +291,9 @@ def _app(gateway: AgentGateway) -> FastAPI:
             chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
             choice = openai.Choice(0, ids, answer)
             events = finished_stream(parsed, chunk_kind, model, choice, gateway.text_of)
-            return StreamingResponse(iter(events), media_type="text/event-stream")
+            # The events are all there: one body, not a chunk each (a streamed body hands
+            # every chunk to a worker thread and back).
+            return Response(b"".join(events), media_type="text/event-stream")
         build = openai.chat_response if kind == "chat.completion" else openai.completion_response
         return JSONResponse(build(parsed, model, ids, answer, gateway.text_of))
 
