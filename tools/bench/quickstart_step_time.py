@@ -3,6 +3,7 @@ sitting.
 
     python tools/bench/quickstart_step_time.py --runs 6 . /path/to/other/checkout
     python tools/bench/quickstart_step_time.py --runs 6 . --variant fault.snapshot_every=0
+    python tools/bench/quickstart_step_time.py --runs 2 --recipe quickstart-agent . /path/to/other
 
 Each checkout runs `miles run quickstart` with its own `.venv` (made by its `tools/setup.sh`),
 once as it is and once per `--variant` (settings for `--set`, comma-separated); runs alternate
@@ -22,11 +23,13 @@ from pathlib import Path
 PARTS = ("perf/rollout_s", "perf/train_s", "perf/sync_s")
 
 
-def one_run(checkout: Path, settings: list[str], run_dir: Path) -> dict[str, float]:
+def one_run(
+    checkout: Path, settings: list[str], run_dir: Path, recipe: str = "quickstart"
+) -> dict[str, float]:
     miles = checkout / ".venv/bin/miles"
     sets = [a for s in ["telemetry.progress=false", *settings] for a in ("--set", s)]
     subprocess.run(
-        [str(miles), "run", "quickstart", "--run-dir", str(run_dir), *sets],
+        [str(miles), "run", recipe, "--run-dir", str(run_dir), *sets],
         cwd=checkout,
         check=True,
         capture_output=True,
@@ -43,6 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkouts", nargs="+", type=Path)
     parser.add_argument("--runs", type=int, default=6)
+    parser.add_argument("--recipe", default="quickstart", help="a recipe that runs on a CPU")
     parser.add_argument("--variant", action="append", default=[], help="KEY=VALUE[,KEY=VALUE]")
     args = parser.parse_args()
     variants = [[], *(v.split(",") for v in args.variant)]
@@ -53,7 +57,8 @@ def main() -> None:
         for i in range(args.runs):
             for k, ((checkout, variant), runs) in enumerate(results.items()):
                 run_dir = Path(tmp) / f"{i}-{k}-{checkout.name}"
-                run = one_run(checkout, variant.split(",") if variant else [], run_dir)
+                settings = variant.split(",") if variant else []
+                run = one_run(checkout, settings, run_dir, args.recipe)
                 runs.append(run)
                 parts = " ".join(f"{p.split('/')[1]} {run[p]:.4f}" for p in PARTS)
                 label = f"{checkout} {variant}".strip()
