@@ -12,29 +12,27 @@ INIT_GROUP_FIELDS: dict[str, tuple[type | None, ...]] = {
     "group_name": (str,),
     "backend": (str,),
 }
+# What every weight load takes, however the weights arrive.
+_LOAD_FIELDS: dict[str, tuple[type | None, ...]] = {
+    "load_format": (str, None),
+    "flush_cache": (bool,),
+    "weight_version": (str, None),
+    "abort_all_requests": (bool,),
+}
 UPDATE_DISTRIBUTED_FIELDS: dict[str, tuple[type | None, ...]] = {
     "names": (list,),
     "dtypes": (list,),
     "shapes": (list,),
     "group_name": (str,),
-    "flush_cache": (bool,),
-    "weight_version": (str, None),
-    "load_format": (str, None),
-    "abort_all_requests": (bool,),
+    **_LOAD_FIELDS,
 }
 UPDATE_TENSOR_FIELDS: dict[str, tuple[type | None, ...]] = {
     "serialized_named_tensors": (list,),
-    "load_format": (str, None),
-    "flush_cache": (bool,),
-    "weight_version": (str, None),
-    "abort_all_requests": (bool,),
+    **_LOAD_FIELDS,
 }
 UPDATE_DISK_FIELDS: dict[str, tuple[type | None, ...]] = {
     "model_path": (str,),
-    "load_format": (str, None),
-    "flush_cache": (bool,),
-    "weight_version": (str, None),
-    "abort_all_requests": (bool,),
+    **_LOAD_FIELDS,
     "is_async": (bool,),
     "torch_empty_cache": (bool,),
     "keep_pause": (bool,),
